@@ -1,0 +1,429 @@
+"""One typed schema for a training run: YAML file, then `key.path=value` overrides, then validation.
+
+Everything a run reads is here, in five sections: `model`, `data`, `parallel`, `features`, `training`.
+Unknown keys, wrong types and impossible values fail before any model is built, naming the key and the closest
+valid key. Checks that need the world size (parallel sizes dividing it) run in `validate_layout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from glm45v_fsdp.errors import UserError
+
+DTypeName = Literal["bf16", "fp32"]
+
+
+@dataclass
+class ModelConfig:
+    # Built-in architecture when name_or_path is null: the embedded tiny model or the published GLM-4.5V dims.
+    preset: Literal["tiny", "glm-4.5v"] = "tiny"
+    # Local HF model directory holding config.json (and tokenizer/processor files); overrides `preset`.
+    name_or_path: str | None = None
+    # Nested dict merged onto the HF config, e.g. {text_config: {vocab_size: 65536}}.
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # Module patterns whose parameters get requires_grad=False, e.g. model.visual.blocks.{*}.
+    freeze: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DataConfig:
+    dataset: Literal["synthetic", "json"] = "synthetic"
+    # LLaVA / ShareGPT-style .json or .jsonl file (dataset=json).
+    data_path: str | None = None
+    # Directory image paths in the records are relative to (default: the data file's directory).
+    image_root: str | None = None
+    cutoff_len: int = 1024
+    packing: bool = False
+    shuffle: bool = True
+    num_workers: int = 0
+    synthetic_samples: int = 256
+    synthetic_text_tokens: int = 64
+    synthetic_images_per_sample: int = 1
+    synthetic_image_size: int = 56
+
+
+@dataclass
+class FsdpPlanConfig:
+    apply_modules: list[str] = field(
+        default_factory=lambda: [
+            "model.visual.blocks.{*}",
+            "model.language_model.layers.{*}",
+        ]
+    )
+    param_dtype: DTypeName = "bf16"
+    reduce_dtype: DTypeName = "fp32"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    # World = dp_replicate x dp_shard x cp; dp_shard is derived from the world size.
+    data_parallel_replicate_size: int = 1
+    ulysses_parallel_size: int = 1
+    ring_attention_size: int = 1
+    expert_parallel_size: int = 1
+    fsdp_plan: FsdpPlanConfig = field(default_factory=FsdpPlanConfig)
+
+
+@dataclass
+class FeaturesConfig:
+    """Memory and speed switches (chunked loss, recompute, activation offload) are added here as they land."""
+
+
+@dataclass
+class TrainingConfig:
+    train_iters: int = 100
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "cosine"
+    lr_warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    # Max global grad norm; 0 disables clipping.
+    clip_grad: float = 1.0
+    loss_type: Literal["default", "per_token"] = "default"
+    # What a NaN/inf loss or grad norm does: skip the optimizer step and count it, or stop the run.
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    max_skipped_steps: int = 10
+    seed: int = 1234
+    deterministic: bool = False
+    device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
+    output_dir: str = "output/glm45v_tiny"
+    log_interval: int = 1
+    progress_bar: bool = True
+    # Peak-memory tracking; null = on for npu/cuda (allocator peak), off on cpu (tracked tensor storages).
+    track_memory: bool | None = None
+    tensorboard: bool = False
+    # First step of the summary's stats window; 0 = skip the first 10% of steps (at least one).
+    stats_start_step: int = 0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    @property
+    def global_batch_size_per_dp_rank(self) -> int:
+        return self.training.micro_batch_size * self.training.gradient_accumulation_steps
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------------------
+
+CONFIG_DIR_ENV = "GLM45V_FSDP_CONFIG_DIR"
+DEFAULT_CONFIG_NAME = "glm45v_tiny.yaml"
+
+
+def default_config_path() -> Path:
+    """`configs/glm45v_tiny.yaml` of the source tree, or the copy installed inside the package."""
+    source_tree = Path(__file__).resolve().parent.parent / "configs" / DEFAULT_CONFIG_NAME
+    if source_tree.is_file():
+        return source_tree
+    return Path(__file__).resolve().parent / "configs" / DEFAULT_CONFIG_NAME
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        keys.append(path)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(_all_keys(hints[f.name], path + "."))
+    return keys
+
+
+ALL_KEYS: list[str] = _all_keys(Config)
+
+
+def _unknown_key_error(path: str, valid_here: list[str]) -> UserError:
+    close = difflib.get_close_matches(path, ALL_KEYS, n=1, cutoff=0.5)
+    if not close:
+        leaf = path.rsplit(".", 1)[-1]
+        close = [key for key in ALL_KEYS if key.rsplit(".", 1)[-1] == leaf][:1]
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return UserError(f"Unknown config key '{path}'.{hint} Valid keys here: {', '.join(valid_here)}.")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is not None:
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(value, option, path)
+            except UserError:
+                continue
+        raise _type_error(value, tp, path)
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _type_error(value, tp, path)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices and type(value) is type(choices[choices.index(value)]):
+            return value
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"Config key '{path}' = {value!r} is not one of {list(choices)}.{hint}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise _type_error(value, tp, path)
+        (item_type,) = typing.get_args(tp)
+        return [_coerce(item, item_type, f"{path}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _type_error(value, tp, path)
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _type_error(value, tp, path)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _type_error(value, tp, path)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _type_error(value, tp, path)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _type_error(value, tp, path)
+    raise AssertionError(f"unsupported annotation {tp} at {path}")
+
+
+def _type_error(value: Any, tp: Any, path: str) -> UserError:
+    return UserError(
+        f"Config key '{path}' expects {_type_name(tp)}, got {value!r} ({type(value).__name__}). "
+        f"Fix the value in the YAML file or the command-line override."
+    )
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"Config section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}.")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise _unknown_key_error(path, [f"{prefix}{n}" for n in names] or ["(none yet)"])
+        tp = hints[key]
+        kwargs[key] = _build(tp, value, path + ".") if dataclasses.is_dataclass(tp) else _coerce(value, tp, path)
+    return cls(**kwargs)
+
+
+def parse_override_value(text: str) -> Any:
+    """Command-line values are read as YAML scalars or flow lists: `3`, `1e-4`, `true`, `null`, `[a, b]`."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def _set_path(tree: dict, path: str, raw: str) -> None:
+    parts = path.split(".")
+    node = tree
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserError(
+                f"Override '{path}={raw}': '{'.'.join(parts[: depth + 1])}' is a value, not a section."
+            )
+        node = child
+    node[parts[-1]] = _override_value_for(path, raw)
+
+
+def _override_value_for(path: str, raw: str) -> Any:
+    """Parse an override value; keep the literal text where the schema expects a string (e.g. a path `007`)."""
+    value = parse_override_value(raw)
+    field_type = _field_type(path)
+    if field_type is str or (
+        typing.get_origin(field_type) in (typing.Union, types.UnionType) and str in typing.get_args(field_type)
+    ):
+        if value is not None and not isinstance(value, str):
+            return raw
+    return value
+
+
+def _field_type(path: str) -> Any:
+    cls: Any = Config
+    for part in path.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return None
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return None
+        cls = hints[part]
+    return cls
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"Config file '{path}' does not exist. Pass an existing YAML file with --config.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise UserError(f"Config file '{path}' is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"Config file '{path}' must hold a mapping of sections, got {type(data).__name__}.")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """YAML (default: configs/glm45v_tiny.yaml) + `key.path=value` overrides -> validated Config."""
+    tree = read_yaml(path if path is not None else default_config_path())
+    override_tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"Override '{item}' has no '='. Write overrides as key.path=value, e.g. training.lr=1e-4.")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if key.startswith("--"):
+            key = key[2:]
+        if not key:
+            raise UserError(f"Override '{item}' has an empty key. Write key.path=value.")
+        _set_path(override_tree, key, raw)
+    config = _build(Config, _deep_merge(tree, override_tree), "")
+    validate(config)
+    return config
+
+
+def config_from_dict(tree: dict) -> Config:
+    config = _build(Config, tree, "")
+    validate(config)
+    return config
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _require(condition: bool, key: str, value: Any, need: str) -> None:
+    if not condition:
+        raise UserError(f"Config key '{key}' = {value!r} is invalid: it must be {need}.")
+
+
+def validate(config: Config) -> None:
+    """Checks that need nothing but the config itself."""
+    t, d, p = config.training, config.data, config.parallel
+    for key in ("train_iters", "micro_batch_size", "gradient_accumulation_steps", "log_interval"):
+        _require(getattr(t, key) >= 1, f"training.{key}", getattr(t, key), "an integer >= 1")
+    _require(t.lr >= 0, "training.lr", t.lr, ">= 0")
+    _require(0 <= t.min_lr <= t.lr, "training.min_lr", t.min_lr, f"between 0 and training.lr ({t.lr})")
+    _require(0 <= t.lr_warmup_ratio < 1, "training.lr_warmup_ratio", t.lr_warmup_ratio, "in [0, 1)")
+    _require(t.weight_decay >= 0, "training.weight_decay", t.weight_decay, ">= 0")
+    _require(0 <= t.adam_beta1 < 1, "training.adam_beta1", t.adam_beta1, "in [0, 1)")
+    _require(0 <= t.adam_beta2 < 1, "training.adam_beta2", t.adam_beta2, "in [0, 1)")
+    _require(t.adam_eps > 0, "training.adam_eps", t.adam_eps, "> 0")
+    _require(t.clip_grad >= 0, "training.clip_grad", t.clip_grad, ">= 0 (0 disables clipping)")
+    _require(t.max_skipped_steps >= 0, "training.max_skipped_steps", t.max_skipped_steps, ">= 0")
+    _require(t.stats_start_step >= 0, "training.stats_start_step", t.stats_start_step, ">= 0")
+    _require(bool(t.output_dir), "training.output_dir", t.output_dir, "a non-empty path")
+    _require(d.cutoff_len >= 8, "data.cutoff_len", d.cutoff_len, "an integer >= 8")
+    _require(d.num_workers >= 0, "data.num_workers", d.num_workers, ">= 0")
+    _require(d.synthetic_samples >= 1, "data.synthetic_samples", d.synthetic_samples, ">= 1")
+    _require(d.synthetic_text_tokens >= 1, "data.synthetic_text_tokens", d.synthetic_text_tokens, ">= 1")
+    _require(
+        d.synthetic_images_per_sample >= 0,
+        "data.synthetic_images_per_sample",
+        d.synthetic_images_per_sample,
+        ">= 0",
+    )
+    _require(d.synthetic_image_size >= 28, "data.synthetic_image_size", d.synthetic_image_size, ">= 28 pixels")
+    if d.dataset == "json":
+        _require(d.data_path is not None, "data.data_path", d.data_path, "set when data.dataset is 'json'")
+    for key in ("data_parallel_replicate_size", "ulysses_parallel_size", "ring_attention_size", "expert_parallel_size"):
+        _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "an integer >= 1")
+    for key in ("ulysses_parallel_size", "ring_attention_size", "expert_parallel_size"):
+        if getattr(p, key) != 1:
+            raise UserError(
+                f"Config key 'parallel.{key}' = {getattr(p, key)} is not supported by this version yet: context "
+                f"and expert parallelism are not implemented. Set parallel.{key}=1."
+            )
+    _require(bool(p.fsdp_plan.apply_modules), "parallel.fsdp_plan.apply_modules", [], "a non-empty list of patterns")
+
+
+def validate_layout(config: Config, world_size: int) -> None:
+    """Checks that need the world size: every parallel size must divide it."""
+    p = config.parallel
+    cp = p.ulysses_parallel_size * p.ring_attention_size
+    if world_size % (p.data_parallel_replicate_size * cp) != 0:
+        raise UserError(
+            f"Config key 'parallel.data_parallel_replicate_size' = {p.data_parallel_replicate_size} times the "
+            f"context-parallel size {cp} does not divide the world size {world_size}. Choose sizes whose product "
+            f"divides {world_size}."
+        )
+    dp_shard = world_size // (p.data_parallel_replicate_size * cp)
+    if (dp_shard * cp) % p.expert_parallel_size != 0:
+        raise UserError(
+            f"Config key 'parallel.expert_parallel_size' = {p.expert_parallel_size} does not divide "
+            f"dp_shard x cp = {dp_shard * cp} (world size {world_size}). Choose a divisor of {dp_shard * cp}."
+        )
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def dump_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)

@@ -1,0 +1,1 @@
+"""Parallel plans: module patterns, FSDP2 sharding, (later) expert and context parallelism."""
