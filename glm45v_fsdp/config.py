@@ -54,11 +54,9 @@ class DataConfig:
 
 @dataclass
 class FsdpPlanConfig:
+    # `model` and `lm_head` must be units of their own: the loss calls them directly, not the root's forward.
     apply_modules: list[str] = field(
-        default_factory=lambda: [
-            "model.visual.blocks.{*}",
-            "model.language_model.layers.{*}",
-        ]
+        default_factory=lambda: ["model.visual.blocks.{*}", "model.language_model.layers.{*}", "model", "lm_head"]
     )
     param_dtype: DTypeName = "bf16"
     reduce_dtype: DTypeName = "fp32"
@@ -258,11 +256,31 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _split_flow_list(text: str) -> list[str]:
+    """Split `[a, b.{0-3,5}, c]` on top-level commas (braces of module patterns keep theirs)."""
+    items, depth, current = [], 0, ""
+    for char in text.strip()[1:-1]:
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(current.strip())
+            current = ""
+        else:
+            current += char
+    if current.strip():
+        items.append(current.strip())
+    return items
+
+
 def parse_override_value(text: str) -> Any:
-    """Command-line values are read as YAML scalars or flow lists: `3`, `1e-4`, `true`, `null`, `[a, b]`."""
+    """Command-line values are read as YAML scalars or flow lists: `3`, `1e-4`, `true`, `null`, `[a, b]`.
+
+    A list whose items YAML cannot read (module patterns with `{0-3,5}`) is split by hand.
+    """
     try:
         return yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError:
+        if text.strip().startswith("[") and text.strip().endswith("]"):
+            return [parse_override_value(item) for item in _split_flow_list(text)]
         return text
 
 
@@ -274,9 +292,7 @@ def _set_path(tree: dict, path: str, raw: str) -> None:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise UserError(
-                f"Override '{path}={raw}': '{'.'.join(parts[: depth + 1])}' is a value, not a section."
-            )
+            raise UserError(f"Override '{path}={raw}': '{'.'.join(parts[: depth + 1])}' is a value, not a section.")
         node = child
     node[parts[-1]] = _override_value_for(path, raw)
 
@@ -403,9 +419,8 @@ def validate(config: Config) -> None:
     _require(bool(p.fsdp_plan.apply_modules), "parallel.fsdp_plan.apply_modules", [], "a non-empty list of patterns")
 
 
-def validate_layout(config: Config, world_size: int) -> None:
+def validate_layout(p: ParallelConfig, world_size: int) -> None:
     """Checks that need the world size: every parallel size must divide it."""
-    p = config.parallel
     cp = p.ulysses_parallel_size * p.ring_attention_size
     if world_size % (p.data_parallel_replicate_size * cp) != 0:
         raise UserError(

@@ -1,0 +1,112 @@
+"""The builders every door shares (trainer, benchmarks, later ds_compat and tools): runtime, model, data.
+
+Plans are applied to the meta-device model in one fixed order (DESIGN.md): freeze, then (as they land) recompute,
+offload, chunk loss, EP, CP, then FSDP, then the weights are materialised (and later loaded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from glm45v_fsdp.config import Config
+from glm45v_fsdp.data import GlobalBatchSampler, build_dataloader, build_dataset, load_image_processor, load_tokenizer
+from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.model import apply_freeze, build_meta_model, describe_model, load_hf_config, materialize
+from glm45v_fsdp.parallel.fsdp import apply_fsdp
+from glm45v_fsdp.parallel.plan import format_matches
+from glm45v_fsdp.runtime import (
+    DeviceLayer,
+    DistEnv,
+    ParallelDims,
+    build_device_mesh,
+    build_parallel_dims,
+    detect_dist_env,
+    flattened_mesh,
+    fsdp_mesh,
+    init_distributed,
+    select_device,
+    set_deterministic,
+    set_seed,
+)
+
+
+@dataclass
+class Runtime:
+    device: DeviceLayer
+    env: DistEnv
+    dims: ParallelDims
+    mesh: DeviceMesh
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self.device.device(self.env.local_rank)
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return flattened_mesh(self.mesh, "dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+
+def build_runtime(config: Config, local_rank_arg: int | None = None) -> Runtime:
+    """Device, process group, parallel dims and meshes. The layout is validated before the group starts."""
+    env = detect_dist_env(local_rank_arg=local_rank_arg)
+    dims = build_parallel_dims(config.parallel, env.world_size)
+    device = select_device(config.training.device)
+    set_deterministic(config.training.deterministic, device)  # before init: HCCL reads its variable at init
+    init_distributed(env, device)
+    set_seed(config.training.seed, device)
+    mesh = build_device_mesh(dims, device.type)
+    return Runtime(device=device, env=env, dims=dims, mesh=mesh)
+
+
+def build_model(config: Config, runtime: Runtime) -> tuple[nn.Module, object]:
+    """GLM-4.5V on the meta device -> plans -> FSDP2 -> weights on the device. Returns (model, hf_config)."""
+    log = get_logger()
+    hf_config = load_hf_config(config.model)
+    model = build_meta_model(hf_config)
+    if config.model.freeze:
+        log.info(format_matches("freeze", apply_freeze(model, config.model.freeze)))
+    matches = apply_fsdp(
+        model, config.parallel.fsdp_plan, fsdp_mesh(runtime.mesh, runtime.dims), pin_memory=runtime.device.type != "cpu"
+    )
+    log.info(format_matches("fsdp", matches))
+    materialize(model, runtime.torch_device, config.training.seed)
+    log.info("weights: initialised from scratch (seed %d); no checkpoint was loaded", config.training.seed)
+    log.info(describe_model(model, hf_config))
+    return model, hf_config
+
+
+def build_data(config: Config, runtime: Runtime, hf_config: object, start_step: int = 0):
+    """Tokenizer, image processor, data set and this rank's loader of micro batches (in training order)."""
+    tokenizer = load_tokenizer(config.model.name_or_path)
+    image_processor = load_image_processor(config.model.name_or_path, hf_config.vision_config)
+    dataset = build_dataset(config.data, hf_config, tokenizer, image_processor)
+    sampler = GlobalBatchSampler(
+        dataset_size=len(dataset),
+        micro_batch_size=config.training.micro_batch_size,
+        gradient_accumulation_steps=config.training.gradient_accumulation_steps,
+        dp_rank=runtime.dp_rank,
+        dp_size=runtime.dp_size,
+        seed=config.training.seed,
+        shuffle=config.data.shuffle,
+        start_step=start_step,
+    )
+    loader = build_dataloader(
+        dataset, sampler, tokenizer.pad_token_id, packing=config.data.packing, num_workers=config.data.num_workers
+    )
+    return loader, tokenizer

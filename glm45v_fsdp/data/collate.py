@@ -1,0 +1,80 @@
+"""Micro-batch collation: right padding, or packing all samples into one row with per-sample positions.
+
+Besides the model inputs, a batch carries BATCH_METADATA_KEYS (token and sample counts, cu_seqlens). Pop them before
+calling the model: a `cu_seqlens` keyword would reach the vision tower, which takes it for its own per-image lengths.
+Call the model with use_cache=False: with a cache, transformers ignores the packed text positions and the packed
+samples attend to each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glm45v_fsdp.data.vocab import IGNORE_INDEX
+
+BATCH_METADATA_KEYS = ("num_valid_tokens", "num_samples", "num_tokens", "cu_seqlens")
+
+
+def _add_images(batch: dict[str, torch.Tensor], samples: list[dict]) -> None:
+    with_images = [s for s in samples if "pixel_values" in s]
+    if with_images:
+        batch["pixel_values"] = torch.cat([s["pixel_values"] for s in with_images])
+        batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
+
+
+def _pad(samples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    batch_size, seq_len = len(samples), max(len(s["input_ids"]) for s in samples)
+    input_ids = torch.full((batch_size, seq_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    labels = torch.full((batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
+    mm_token_type_ids = torch.zeros(batch_size, seq_len, dtype=torch.int32)
+    position_ids = torch.zeros(3, batch_size, seq_len, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        length = len(sample["input_ids"])
+        input_ids[row, :length] = sample["input_ids"]
+        attention_mask[row, :length] = 1
+        labels[row, :length] = sample["labels"]
+        mm_token_type_ids[row, :length] = sample["mm_token_type_ids"]
+        position_ids[:, row, :length] = sample["position_ids"]
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": labels,
+        "mm_token_type_ids": mm_token_type_ids,
+        "position_ids": position_ids,
+        "num_tokens": attention_mask.sum(),
+    }
+
+
+def _pack(samples: list[dict]) -> dict[str, torch.Tensor]:
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()
+    labels = torch.cat([s["labels"] for s in samples])
+    labels[cu_seqlens[:-1].long()] = IGNORE_INDEX  # no prediction across a sample boundary
+    text_positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
+    rope_positions = torch.cat([s["position_ids"] for s in samples], dim=1)
+    return {
+        "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
+        "labels": labels[None],
+        "mm_token_type_ids": torch.cat([s["mm_token_type_ids"] for s in samples])[None],
+        # Row 0 restarts at 0 per sample: transformers derives the block-diagonal causal mask from it.
+        "position_ids": torch.cat([text_positions[None], rope_positions])[:, None, :],
+        "cu_seqlens": cu_seqlens,
+        "num_tokens": lengths.sum(),
+    }
+
+
+def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> dict[str, torch.Tensor]:
+    """One micro batch from data set samples.
+
+    packing=False: input_ids / attention_mask / labels / mm_token_type_ids [B, S] right-padded (pad id, 0, -100, 0)
+    and position_ids [3, B, S] (0 on padding). packing=True: the samples are concatenated into one row [1, T] without
+    attention_mask; position_ids [4, 1, T] = (per-sample text positions, t, h, w); the label of every sample's first
+    token is -100; cu_seqlens int32 [n + 1]. Both: pixel_values / image_grid_thw concatenated in sample order (absent
+    without images), num_valid_tokens (supervised labels after the one-token shift), num_samples, num_tokens (non-pad).
+    """
+    batch = _pack(samples) if packing else _pad(samples, pad_token_id)
+    _add_images(batch, samples)
+    batch["num_valid_tokens"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    batch["num_samples"] = torch.tensor(len(samples))
+    return batch

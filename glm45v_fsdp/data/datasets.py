@@ -1,0 +1,387 @@
+"""Image-text SFT data sets: built-in synthetic scenes, or LLaVA / ShareGPT records from a .json or .jsonl file.
+
+`__getitem__(i)` loads, tokenises and lays out ONE sample lazily (so data workers do it) and returns tensors:
+input_ids [L], labels [L], mm_token_type_ids [L] (int32, 1 on <|image|>), position_ids [3, L] (3-D rope positions),
+pixel_values [patches, D] and image_grid_thw [n_images, 3] (absent without images), num_valid_tokens (0-d: labels[1:]
+that are supervised).
+
+Truncation to data.cutoff_len never cuts an image block: when the cut falls inside a block (<|begin_of_image|> to
+<|end_of_image|>), the sample ends just before that block's <|begin_of_image|>, and that image and every later one are
+dropped from pixel_values / image_grid_thw. A sample left without any supervised token is a UserError.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+from torch.utils.data import Dataset
+
+from glm45v_fsdp.config import DataConfig
+from glm45v_fsdp.data.processor import image_token_counts, process_images
+from glm45v_fsdp.data.template import IMAGE_TAG, encode_conversation, mrope_position_ids
+from glm45v_fsdp.data.vocab import IGNORE_INDEX
+from glm45v_fsdp.errors import UserError
+
+RESERVED_TOKENS = (
+    "<|image|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|video|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+)
+ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+class ImageTextDataset(Dataset):
+    """Shared encoding of one (messages, images) sample; subclasses provide `__len__`, `conversation`, `describe`."""
+
+    def __init__(self, tokenizer, image_processor, cutoff_len: int, spatial_merge_size: int):
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.cutoff_len = cutoff_len
+        self.spatial_merge_size = spatial_merge_size
+
+    def conversation(self, index: int) -> tuple[list[dict], list[Image.Image]]:
+        raise NotImplementedError
+
+    def describe(self, index: int) -> str:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        messages, images = self.conversation(index)
+        pixel_values, grid, counts = None, None, []
+        if images:
+            try:
+                pixel_values, grid = process_images(self.image_processor, images)
+            except ValueError as error:
+                raise UserError(
+                    f"{self.describe(index)}: an image cannot be processed: {error}. Resize or replace it."
+                ) from None
+            counts = image_token_counts(grid, self.spatial_merge_size)
+        input_ids, labels = encode_conversation(messages, self.tokenizer, counts)
+        input_ids, labels = torch.tensor(input_ids), torch.tensor(labels)
+        mm_token_type_ids = (input_ids == self.tokenizer.convert_tokens_to_ids("<|image|>")).int()
+        assert int(mm_token_type_ids.sum()) == sum(counts), "text holds reserved image tokens"
+        length, kept_images = _cut_point(mm_token_type_ids, self.cutoff_len)
+        num_valid = int((labels[1:length] != IGNORE_INDEX).sum())
+        if num_valid == 0:
+            raise UserError(
+                f"{self.describe(index)} has no supervised token left after truncation to data.cutoff_len="
+                f"{self.cutoff_len} (it is {len(input_ids)} tokens long, image tokens included; an image block is "
+                f"never cut). Raise data.cutoff_len, or shorten or drop this sample."
+            )
+        sample = {
+            "input_ids": input_ids[:length],
+            "labels": labels[:length],
+            "mm_token_type_ids": mm_token_type_ids[:length],
+            "num_valid_tokens": torch.tensor(num_valid),
+        }
+        if kept_images:
+            grid = grid[:kept_images]
+            sample["pixel_values"] = pixel_values[: int(grid.prod(-1).sum())]
+            sample["image_grid_thw"] = grid
+        sample["position_ids"] = mrope_position_ids(
+            sample["mm_token_type_ids"], sample.get("image_grid_thw"), self.spatial_merge_size
+        )
+        return sample
+
+
+def _cut_point(mm_token_type_ids: torch.Tensor, cutoff_len: int) -> tuple[int, int]:
+    """(length to keep, number of leading images kept): at most cutoff_len tokens, never inside an image block."""
+    length = min(len(mm_token_type_ids), cutoff_len)
+    kept = 0
+    start = 0
+    for modality, group in itertools.groupby(mm_token_type_ids.tolist()):
+        end = start + len(list(group))
+        if modality:
+            if end + 1 > length:  # the block's <|end_of_image|> (at index `end`) does not fit
+                return min(length, start - 1), kept
+            kept += 1
+        start = end
+    return length, kept
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Synthetic
+# --------------------------------------------------------------------------------------------------------------
+
+COLORS = {
+    "red": (220, 30, 30),
+    "green": (30, 180, 60),
+    "blue": (40, 70, 220),
+    "yellow": (240, 220, 40),
+    "white": (250, 250, 250),
+    "black": (10, 10, 10),
+    "purple": (140, 50, 170),
+    "orange": (250, 140, 20),
+}
+SHAPES = ("circle", "square", "triangle")
+PLACES = ("top left", "top right", "bottom left", "bottom right", "center")
+QUESTIONS = ("What is in the image?", "Describe the picture.", "What do you see?", "What shape is shown?")
+
+
+def _scene(rng: random.Random) -> dict[str, str]:
+    background, color = rng.sample(sorted(COLORS), 2)
+    return {"background": background, "color": color, "shape": rng.choice(SHAPES), "place": rng.choice(PLACES)}
+
+
+def _draw(scene: dict[str, str], size: int) -> Image.Image:
+    image = Image.new("RGB", (size, size), COLORS[scene["background"]])
+    half = size // 2
+    row = {"top": 0, "bottom": half, "center": size // 4}[scene["place"].split()[0]]
+    col = {"left": 0, "right": half}.get(scene["place"].split()[-1], size // 4)
+    margin = max(1, size // 16)
+    box = (col + margin, row + margin, col + half - margin, row + half - margin)
+    draw = ImageDraw.Draw(image)
+    fill = COLORS[scene["color"]]
+    if scene["shape"] == "circle":
+        draw.ellipse(box, fill=fill)
+    elif scene["shape"] == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([((box[0] + box[2]) // 2, box[1]), (box[0], box[3]), (box[2], box[3])], fill=fill)
+    return image
+
+
+def _sentence(scene: dict[str, str], number: int | None) -> str:
+    head = f"Image {number}: a" if number is not None else "A"
+    return f"{head} {scene['color']} {scene['shape']} on a {scene['background']} background, {scene['place']}."
+
+
+class SyntheticImageTextDataset(ImageTextDataset):
+    """Sample i: `images_per_sample` pictures of a coloured shape on a coloured background (drawn from a generator
+    seeded with i, so identical in every process and run), a question, and an answer describing every picture that is
+    repeated up to about `text_tokens` question + answer tokens (never shorter than one full description)."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        images_per_sample: int,
+        image_size: int,
+        text_tokens: int,
+        tokenizer,
+        image_processor,
+        cutoff_len: int,
+        spatial_merge_size: int,
+    ):
+        super().__init__(tokenizer, image_processor, cutoff_len, spatial_merge_size)
+        self.num_samples = num_samples
+        self.images_per_sample = images_per_sample
+        self.image_size = image_size
+        self.text_tokens = text_tokens
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def describe(self, index: int) -> str:
+        return f"Synthetic sample {index}"
+
+    def conversation(self, index: int) -> tuple[list[dict], list[Image.Image]]:
+        rng = random.Random(index)
+        scenes = [_scene(rng) for _ in range(self.images_per_sample)]
+        question = rng.choice(QUESTIONS)
+        numbered = len(scenes) > 1
+        description = " ".join(_sentence(s, i + 1 if numbered else None) for i, s in enumerate(scenes))
+        description = description or "There is no image, so there is nothing to describe."
+        answer_ids = self.tokenizer.encode(description, add_special_tokens=False)
+        question_tokens = len(self.tokenizer.encode("\n" + question, add_special_tokens=False))
+        budget = max(len(answer_ids), self.text_tokens - question_tokens)
+        answer = description
+        while len(answer_ids) < budget:
+            answer += " " + description
+            answer_ids = self.tokenizer.encode(answer, add_special_tokens=False)
+        messages = [
+            {"role": "user", "content": IMAGE_TAG * len(scenes) + ("\n" if scenes else "") + question},
+            {"role": "assistant", "content": self.tokenizer.decode(answer_ids[:budget])},
+        ]
+        return messages, [_draw(scene, self.image_size) for scene in scenes]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# JSON / JSONL
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _read_json_records(path: Path) -> list:
+    if path.suffix == ".jsonl":
+        records = []
+        for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise UserError(
+                    f"Line {line_number} of data file '{path}' (data.data_path) is not valid JSON: "
+                    f"{error}. Each line of a .jsonl file must be one JSON record."
+                ) from None
+        return records
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise UserError(
+            f"Data file '{path}' (data.data_path) is not valid JSON: {error}. A .json data file must "
+            f"hold a list of records; use the .jsonl suffix for one record per line."
+        ) from None
+    if not isinstance(records, list):
+        raise UserError(
+            f"Data file '{path}' (data.data_path) holds a {type(records).__name__}, not a list of "
+            f"records. Wrap the records in a JSON list, or write one record per line to a .jsonl file."
+        )
+    return records
+
+
+class _RecordError(Exception):
+    """A problem of one JSON record; the data set adds the record index and file path."""
+
+
+def _parse_record(record, image_root: Path) -> tuple[list[dict], list[Path]]:
+    """Normalised (messages, image paths) of one record; a _RecordError's message names the problem and the fix."""
+    if not isinstance(record, dict):
+        raise _RecordError(f"it is a {type(record).__name__}, not an object with 'conversations' or 'messages'")
+    turns = record.get("conversations", record.get("messages"))
+    if not isinstance(turns, list) or not turns:
+        raise _RecordError(
+            "it needs a non-empty list under 'conversations' (LLaVA: from/value turns) or 'messages' "
+            "(ShareGPT: role/content turns)"
+        )
+    messages = []
+    for turn_index, turn in enumerate(turns):
+        role = turn.get("from", turn.get("role")) if isinstance(turn, dict) else None
+        content = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
+        if role not in ROLE_ALIASES or not isinstance(content, str):
+            raise _RecordError(
+                f"turn {turn_index} is {turn!r}; each turn needs 'from' (human/gpt/system) and a string "
+                f"'value', or 'role' (user/assistant/system) and a string 'content'"
+            )
+        messages.append({"role": ROLE_ALIASES[role], "content": content})
+    roles = [m["role"] for m in messages]
+    body = roles[1:] if roles[0] == "system" else roles
+    if not body or body != ["user", "assistant"] * (len(body) // 2):
+        raise _RecordError(
+            f"its roles are {roles}; after an optional first system turn, user and assistant turns must "
+            f"alternate, starting with user and ending with assistant"
+        )
+    for turn_index, message in enumerate(messages):
+        if message["role"] != "user" and IMAGE_TAG in message["content"]:
+            raise _RecordError(f"turn {turn_index} ({message['role']}) holds '{IMAGE_TAG}'; images go in user turns")
+        if message["role"] == "assistant" and not message["content"].strip():
+            raise _RecordError(f"turn {turn_index} (assistant) is empty; give it an answer or drop the record")
+        reserved = [token for token in RESERVED_TOKENS if token in message["content"]]
+        if reserved:
+            raise _RecordError(
+                f"turn {turn_index} holds the reserved token(s) {reserved}; write '{IMAGE_TAG}' where an image goes"
+            )
+    images = record.get("images", record.get("image"))
+    images = [] if images is None else [images] if isinstance(images, str) else images
+    if not isinstance(images, list) or not all(isinstance(name, str) for name in images):
+        raise _RecordError(f"its images are {images!r}; give 'image' or 'images' as a path or a list of paths")
+    n_tags = sum(m["content"].count(IMAGE_TAG) for m in messages)
+    if n_tags != len(images):
+        raise _RecordError(
+            f"it has {n_tags} '{IMAGE_TAG}' tag(s) but {len(images)} image(s); put one '{IMAGE_TAG}' "
+            f"in the user turns for each image, in order"
+        )
+    paths = [image_root / name for name in images]
+    for path in paths:
+        if not path.is_file():
+            raise _RecordError(
+                f"its image '{path}' does not exist; fix the path (relative to data.image_root, default "
+                f"the data file's directory) or drop the record"
+            )
+    return messages, paths
+
+
+class JsonImageTextDataset(ImageTextDataset):
+    """Records of a .json list or a .jsonl file, all validated when the data set is built."""
+
+    def __init__(
+        self,
+        data_path: str,
+        image_root: str | None,
+        tokenizer,
+        image_processor,
+        cutoff_len: int,
+        spatial_merge_size: int,
+    ):
+        super().__init__(tokenizer, image_processor, cutoff_len, spatial_merge_size)
+        self.data_path = Path(data_path)
+        if not self.data_path.is_file():
+            raise UserError(
+                f"Config key 'data.data_path' = '{data_path}' is not a file. Point it at a .json (list of "
+                f"records) or .jsonl (one record per line) file."
+            )
+        root = Path(image_root) if image_root is not None else self.data_path.parent
+        if not root.is_dir():
+            raise UserError(
+                f"Config key 'data.image_root' = '{image_root}' is not a directory. Point it at the "
+                f"directory the records' image paths are relative to, or set it to null."
+            )
+        self.records = []
+        for index, record in enumerate(_read_json_records(self.data_path)):
+            try:
+                self.records.append(_parse_record(record, root))
+            except _RecordError as error:
+                raise UserError(f"{self.describe(index)} is invalid: {error}.") from None
+        if not self.records:
+            raise UserError(
+                f"Data file '{self.data_path}' (data.data_path) holds no records. Add records or point "
+                f"data.data_path at another file."
+            )
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def describe(self, index: int) -> str:
+        return f"Record {index} (0-based) of data file '{self.data_path}'"
+
+    def conversation(self, index: int) -> tuple[list[dict], list[Image.Image]]:
+        messages, paths = self.records[index]
+        images = []
+        for path in paths:
+            try:
+                with Image.open(path) as image:
+                    images.append(image.convert("RGB"))
+            except (OSError, ValueError) as error:
+                raise UserError(
+                    f"{self.describe(index)}: image '{path}' cannot be read: {error}. Replace the file "
+                    f"or drop the record."
+                ) from None
+        return messages, images
+
+
+def build_dataset(data_cfg: DataConfig, hf_config, tokenizer, image_processor) -> Dataset:
+    """The data set of `data_cfg.dataset`, after checking that tokenizer and model agree on the image token ids."""
+    for key, token in (
+        ("image_token_id", "<|image|>"),
+        ("image_start_token_id", "<|begin_of_image|>"),
+        ("image_end_token_id", "<|end_of_image|>"),
+    ):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id != getattr(hf_config, key):
+            raise UserError(
+                f"The tokenizer maps '{token}' to id {token_id} but the model config has {key}="
+                f"{getattr(hf_config, key)}. Use the tokenizer that belongs to the model (model.name_or_path), or "
+                f"fix {key} with model.config_overrides."
+            )
+    merge = hf_config.vision_config.spatial_merge_size
+    if data_cfg.dataset == "synthetic":
+        return SyntheticImageTextDataset(
+            data_cfg.synthetic_samples,
+            data_cfg.synthetic_images_per_sample,
+            data_cfg.synthetic_image_size,
+            data_cfg.synthetic_text_tokens,
+            tokenizer,
+            image_processor,
+            data_cfg.cutoff_len,
+            merge,
+        )
+    return JsonImageTextDataset(
+        data_cfg.data_path, data_cfg.image_root, tokenizer, image_processor, data_cfg.cutoff_len, merge
+    )

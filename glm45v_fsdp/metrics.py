@@ -1,0 +1,128 @@
+"""Step metrics: the rank-0 progress bar and log line, metrics.jsonl, TensorBoard, and the end-of-run summary.
+
+Definitions follow the reference report (§3.3): samples/s = global batch x 1000 / ms per iteration; tokens/s counts
+non-padding tokens of the global batch; memory figures are per-rank peaks reduced to their max and mean.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+GIB = 1024**3
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    ms_per_iter: float
+    samples_per_s: float
+    tokens_per_s: float
+    mem_peak_max_gib: float
+    mem_peak_avg_gib: float
+    global_batch_size: int
+    tokens: int
+    skipped: bool
+    skipped_steps_total: int
+    ms_per_iter_per_rank: list[float] = field(default_factory=list)
+    mem_peak_per_rank_gib: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        record = asdict(self)
+        record.update(record.pop("extra"))
+        return record
+
+
+def format_line(record: StepRecord, total_steps: int, memory_kind: str) -> str:
+    """The one line rank 0 prints per log interval."""
+    memory = (
+        f"mem peak {record.mem_peak_max_gib:.3f}/{record.mem_peak_avg_gib:.3f} GiB (max/avg, {memory_kind})"
+        if memory_kind != "off"
+        else "mem off"
+    )
+    skipped = f" | skipped {record.skipped_steps_total}" if record.skipped_steps_total else ""
+    return (
+        f"step {record.step}/{total_steps} | loss {record.loss:.6f} | grad norm {record.grad_norm:.4f} | "
+        f"lr {record.lr:.3e} | {record.ms_per_iter:.1f} ms/iter | {record.samples_per_s:.2f} samples/s | "
+        f"{record.tokens_per_s:.0f} tokens/s | {memory}{skipped}"
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(records: list[StepRecord], start_step: int) -> dict[str, Any]:
+    """Summary over the stats window (steps >= start_step, skipped steps included: they cost time too)."""
+    window = [r for r in records if r.step >= start_step] or records
+    ms = [r.ms_per_iter for r in window]
+    mean_ms = statistics.fmean(ms)
+    global_batch = window[-1].global_batch_size
+    tokens = statistics.fmean(r.tokens for r in window)
+    return {
+        "window": [window[0].step, window[-1].step],
+        "steps": len(window),
+        "ms_per_iter_mean": mean_ms,
+        "ms_per_iter_p95": percentile(ms, 95),
+        "ms_per_iter_p99": percentile(ms, 99),
+        "samples_per_s": global_batch * 1000.0 / mean_ms,
+        "tokens_per_s": tokens * 1000.0 / mean_ms,
+        "mem_peak_max_gib": max(r.mem_peak_max_gib for r in window),
+        "mem_peak_avg_gib": statistics.fmean(r.mem_peak_avg_gib for r in window),
+        "loss_first": records[0].loss,
+        "loss_last": records[-1].loss,
+        "skipped_steps": records[-1].skipped_steps_total,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    return (
+        f"summary steps {summary['window'][0]}-{summary['window'][1]} ({summary['steps']}): "
+        f"ms/iter mean {summary['ms_per_iter_mean']:.1f} P95 {summary['ms_per_iter_p95']:.1f} "
+        f"P99 {summary['ms_per_iter_p99']:.1f} | {summary['samples_per_s']:.2f} samples/s | "
+        f"{summary['tokens_per_s']:.0f} tokens/s | mem peak {summary['mem_peak_max_gib']:.3f}/"
+        f"{summary['mem_peak_avg_gib']:.3f} GiB (max/avg) | loss {summary['loss_first']:.4f} -> "
+        f"{summary['loss_last']:.4f} | skipped {summary['skipped_steps']}"
+    )
+
+
+class MetricsSink:
+    """Rank 0's writers: metrics.jsonl (one record per step), summary.json and optional TensorBoard scalars."""
+
+    def __init__(self, output_dir: Path, tensorboard: bool) -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = output_dir / "metrics.jsonl"
+        self._file: IO[str] = self.path.open("w")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        self.output_dir = output_dir
+
+    def write(self, record: StepRecord) -> None:
+        self._file.write(json.dumps(record.to_json()) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key in ("loss", "grad_norm", "lr", "ms_per_iter", "samples_per_s", "tokens_per_s", "mem_peak_max_gib"):
+                self._tb.add_scalar(f"train/{key}", getattr(record, key), record.step)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,1 @@
+"""Command-line tools: benchmarks (and later convert, inspect, preflight, compare)."""

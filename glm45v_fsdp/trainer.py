@@ -1,0 +1,231 @@
+"""The step loop: accumulation, loss normalisation, clipping, non-finite policy, optimizer, schedule, metrics."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+from glm45v_fsdp.builders import Runtime
+from glm45v_fsdp.config import Config, dump_yaml
+from glm45v_fsdp.errors import TrainingStopped
+from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.metrics import GIB, MetricsSink, StepRecord, format_line, format_summary, summarize
+from glm45v_fsdp.model import model_loss_sum
+from glm45v_fsdp.optim import build_optimizer, build_scheduler
+from glm45v_fsdp.runtime import MemoryMeter
+
+Batch = dict[str, torch.Tensor]
+
+
+def move_batch(batch: Batch, device: torch.device) -> Batch:
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def micro_loss_scale(
+    loss_type: str, valid_tokens: torch.Tensor, global_valid_tokens: torch.Tensor, accumulation: int, dp_size: int
+) -> torch.Tensor:
+    """Factor turning a micro batch's CE sum into the loss whose gradient FSDP then averages over DP.
+
+    default:   sum(CE)/valid tokens of the micro batch, averaged over accumulation (here) and DP (FSDP's mean).
+    per_token: sum(CE)/valid tokens of the whole global batch; FSDP's mean over DP is undone by dp_size.
+    A micro batch without supervised tokens contributes zero.
+    """
+    if loss_type == "default":
+        return 1.0 / (valid_tokens.clamp(min=1).to(torch.float32) * accumulation)
+    return dp_size / global_valid_tokens.clamp(min=1).to(torch.float32)
+
+
+def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of the gradients; DTensor shards are reduced across their mesh."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+class Trainer:
+    def __init__(self, config: Config, runtime: Runtime, model: nn.Module, loader: Any) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.model = model
+        self.loader = loader
+        self.log = get_logger()
+        training = config.training
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        fused = runtime.device.has_fused_adamw()
+        self.optimizer = build_optimizer(model, training, fused=fused)
+        self.scheduler = build_scheduler(self.optimizer, training)
+        track = training.track_memory if training.track_memory is not None else runtime.device.type != "cpu"
+        self.meter = MemoryMeter(runtime.device, enabled=track)
+        self.global_batch_size = training.micro_batch_size * training.gradient_accumulation_steps * runtime.dp_size
+        self.step = 0
+        self.skipped_steps = 0
+        self.records: list[StepRecord] = []
+        self.output_dir = Path(training.output_dir)
+        self.sink: MetricsSink | None = None
+        if runtime.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(dump_yaml(config))
+            self.sink = MetricsSink(self.output_dir, tensorboard=training.tensorboard)
+        self.log.info(
+            "optimizer: AdamW (%s) | schedule %s warmup %.2f | loss %s, kernel: full-logits cross-entropy | "
+            "memory figure: %s | global batch %d = micro %d x accumulation %d x dp %d",
+            "fused" if fused else "foreach",
+            training.lr_scheduler,
+            training.lr_warmup_ratio,
+            training.loss_type,
+            self.meter.kind,
+            self.global_batch_size,
+            training.micro_batch_size,
+            training.gradient_accumulation_steps,
+            runtime.dp_size,
+        )
+
+    # ----------------------------------------------------------------------------------------------------------
+    def _dp_all_reduce(self, values: list[torch.Tensor | float]) -> list[float]:
+        """Sum small scalars over the data-parallel ranks in one collective."""
+        device = self.runtime.torch_device
+        packed = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+        if self.runtime.dp_size > 1:
+            dist.all_reduce(packed, group=self.runtime.dp_mesh.get_group())
+        return packed.tolist()
+
+    def _gather_rank_figures(self, ms: float, mem_bytes: int) -> tuple[list[float], list[float]]:
+        """Every rank's step time and peak memory (one all-gather of two numbers)."""
+        device = self.runtime.torch_device
+        mine = torch.tensor([ms, mem_bytes / GIB], dtype=torch.float64, device=device)
+        world = self.runtime.env.world_size
+        if world == 1:
+            return [ms], [mem_bytes / GIB]
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        return [float(g[0]) for g in gathered], [float(g[1]) for g in gathered]
+
+    def train_step(self, micro_batches: list[Batch]) -> tuple[float, float, int, bool]:
+        """One optimizer step over the accumulation micro batches. Returns (loss, grad norm, tokens, skipped)."""
+        training = self.config.training
+        accumulation = len(micro_batches)
+        local_valid = sum(int(b["num_valid_tokens"]) for b in micro_batches)
+        local_tokens = sum(int(b["num_tokens"]) for b in micro_batches)
+        global_valid, _ = self._dp_all_reduce([local_valid, 0.0])
+        global_valid_tensor = torch.tensor(global_valid, device=self.runtime.torch_device)
+        report_loss = torch.zeros((), dtype=torch.float64, device=self.runtime.torch_device)
+        for index, batch in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(index == accumulation - 1)
+            batch = move_batch(batch, self.runtime.torch_device)
+            ce_sum, valid = model_loss_sum(self.model, batch)
+            scale = micro_loss_scale(training.loss_type, valid, global_valid_tensor, accumulation, self.runtime.dp_size)
+            (ce_sum * scale).backward()
+            if training.loss_type == "default":
+                report_loss += (ce_sum.detach() * scale).double()
+            else:
+                report_loss += ce_sum.detach().double()
+        loss_total, tokens = self._dp_all_reduce([report_loss, local_tokens])
+        if training.loss_type == "default":
+            loss = loss_total / self.runtime.dp_size
+        else:
+            loss = loss_total / max(global_valid, 1)
+        grad_norm = total_grad_norm(self.parameters)
+        if training.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.parameters, training.clip_grad, grad_norm, foreach=True)
+        grad_norm_value = float(grad_norm)
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm_value))
+        if skipped:
+            self.skipped_steps += 1
+            reason = f"loss {loss} / grad norm {grad_norm_value} at step {self.step + 1}"
+            if training.on_nonfinite == "stop" or self.skipped_steps > training.max_skipped_steps:
+                raise TrainingStopped(
+                    f"Training stopped: non-finite {reason} (training.on_nonfinite={training.on_nonfinite}, "
+                    f"{self.skipped_steps} skipped step(s), training.max_skipped_steps={training.max_skipped_steps}). "
+                    f"Lower training.lr, check the data, or use fp32 (parallel.fsdp_plan.param_dtype=fp32)."
+                )
+            self.log.warning("skipping the optimizer step: non-finite %s", reason)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm_value, int(tokens), skipped
+
+    def _next_micro_batches(self, iterator: Iterator[Batch]) -> list[Batch]:
+        return [next(iterator) for _ in range(self.config.training.gradient_accumulation_steps)]
+
+    def _live_state(self) -> list[torch.Tensor]:
+        """Tensors alive before a step that count toward its peak: parameters and optimizer state."""
+        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return [*self.parameters, *state]
+
+    def step_once(self, micro_batches: list[Batch], started: float | None = None) -> StepRecord:
+        """Train one step on the given micro batches, time it, gather every rank's figures, record them.
+
+        `started` (a perf_counter value) lets the caller include the time it spent fetching the batches.
+        """
+        lr = self.optimizer.param_groups[0]["lr"]
+        start = time.perf_counter() if started is None else started
+        with self.meter.track(self._live_state()):
+            loss, grad_norm, tokens, skipped = self.train_step(micro_batches)
+            self.runtime.device.synchronize()
+        return self._record(lr, (time.perf_counter() - start) * 1000.0, loss, grad_norm, tokens, skipped)
+
+    def _record(self, lr: float, ms: float, loss: float, grad_norm: float, tokens: int, skipped: bool) -> StepRecord:
+        self.step += 1
+        ms_ranks, mem_ranks = self._gather_rank_figures(ms, self.meter.peak_bytes())
+        ms_max = max(ms_ranks)
+        record = StepRecord(
+            step=self.step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            ms_per_iter=ms_max,
+            samples_per_s=self.global_batch_size * 1000.0 / ms_max,
+            tokens_per_s=tokens * 1000.0 / ms_max,
+            mem_peak_max_gib=max(mem_ranks),
+            mem_peak_avg_gib=sum(mem_ranks) / len(mem_ranks),
+            global_batch_size=self.global_batch_size,
+            tokens=tokens,
+            skipped=skipped,
+            skipped_steps_total=self.skipped_steps,
+            ms_per_iter_per_rank=ms_ranks,
+            mem_peak_per_rank_gib=mem_ranks,
+        )
+        self.records.append(record)
+        if self.sink is not None:
+            self.sink.write(record)
+        return record
+
+    def run(self) -> dict[str, Any]:
+        """Train until training.train_iters; ms/iter includes fetching the step's micro batches."""
+        training = self.config.training
+        iterator = iter(self.loader)
+        bar = tqdm(
+            total=training.train_iters,
+            initial=self.step,
+            disable=not (self.runtime.is_main and training.progress_bar),
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=1.0,
+            desc="train",
+        )
+        self.model.train()
+        while self.step < training.train_iters:
+            start = time.perf_counter()
+            record = self.step_once(self._next_micro_batches(iterator), started=start)
+            bar.update(1)
+            if self.runtime.is_main and (self.step % training.log_interval == 0 or self.step == training.train_iters):
+                bar.write(format_line(record, training.train_iters, self.meter.kind), file=sys.stdout)
+        bar.close()
+        start_step = training.stats_start_step or max(2, training.train_iters // 10 + 1)
+        summary = summarize(self.records, start_step)
+        if self.sink is not None:
+            self.sink.write_summary(summary)
+            self.sink.close()
+            self.log.info(format_summary(summary))
+        return summary

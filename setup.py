@@ -1,0 +1,62 @@
+"""glm45v-fsdp: GLM-4.5V training on PyTorch FSDP2, with a DeepSpeed compatibility layer (ds_compat)."""
+
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent
+
+
+def read_version() -> str:
+    for line in (ROOT / "glm45v_fsdp" / "__init__.py").read_text().splitlines():
+        if line.startswith("__version__"):
+            return line.split("=")[1].strip().strip('"')
+    raise RuntimeError("glm45v_fsdp/__init__.py has no __version__")
+
+
+setup(
+    name="glm45v-fsdp",
+    version=read_version(),
+    description="GLM-4.5V training backend on PyTorch FSDP2 with a DeepSpeed compatibility layer",
+    long_description=(ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=[
+        "glm45v_fsdp",
+        "glm45v_fsdp.runtime",
+        "glm45v_fsdp.model",
+        "glm45v_fsdp.parallel",
+        "glm45v_fsdp.data",
+        "glm45v_fsdp.tools",
+        "glm45v_fsdp.configs",
+        "ds_compat",
+    ],
+    # The top-level configs/ folder ships inside the package, so the default config is found after a
+    # non-editable install too.
+    package_dir={"glm45v_fsdp.configs": "configs"},
+    package_data={"glm45v_fsdp.configs": ["*.yaml"]},
+    install_requires=[
+        # 2.13 is the first release whose FSDP2/DTensor/DCP we test on CPU; the upper bound keeps pip from
+        # pulling an untested major release.
+        "torch>=2.13,<2.15",
+        "transformers>=5.0,<6",
+        "safetensors>=0.4",
+        "pyyaml>=6.0",
+        "pillow>=10.0",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "ruff>=0.5", "tensorboard>=2.14"],
+        "tensorboard": ["tensorboard>=2.14"],
+        "deepspeed": ["deepspeed>=0.19,<0.20"],
+        # torch_npu must match the installed torch and CANN; pin it with the version Ascend publishes for it.
+        "npu": ["torch_npu"],
+    },
+    entry_points={
+        "console_scripts": [
+            "glm45v-train=glm45v_fsdp.train:main",
+        ]
+    },
+    classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
+)

@@ -1,0 +1,189 @@
+"""End-to-end runs of `python -m glm45v_fsdp.train` as real processes (1 rank, torchrun 2 and 4 ranks over gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "ms_per_iter",
+    "samples_per_s",
+    "tokens_per_s",
+    "mem_peak_max_gib",
+    "mem_peak_avg_gib",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env() -> dict[str, str]:
+    """The parent's launcher variables must not leak into the child runs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "SLURM_"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return env
+
+
+def train(output_dir: Path, overrides: list[str], nproc: int = 1, env: dict | None = None):
+    if nproc == 1:
+        command = [sys.executable, "-m", "glm45v_fsdp.train"]
+    else:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            "-m",
+            "glm45v_fsdp.train",
+        ]
+    command += [f"training.output_dir={output_dir}", "training.progress_bar=false", *overrides]
+    return subprocess.run(command, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=600)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_default_training_runs_and_learns(tmp_path, nproc):
+    result = train(tmp_path / "run", ["training.train_iters=40", "training.log_interval=10"], nproc=nproc)
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(1, 41))
+    assert all(METRIC_KEYS <= set(r) for r in records)
+    assert all(len(r["ms_per_iter_per_rank"]) == nproc for r in records)
+    losses = [r["loss"] for r in records]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
+    assert "step 40/40 | loss" in result.stdout
+    assert "summary steps" in result.stdout and "P95" in result.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] > 0 and summary["ms_per_iter_p99"] >= summary["ms_per_iter_mean"] * 0.5
+    resolved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "train_iters: 40" in resolved
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Parity: the same global batches give the same losses whatever the split into ranks x micro x accumulation.
+# --------------------------------------------------------------------------------------------------------------
+PARITY = [
+    "training.train_iters=20",
+    "parallel.fsdp_plan.param_dtype=fp32",
+    "parallel.fsdp_plan.reduce_dtype=fp32",
+    "data.synthetic_samples=64",
+    "training.lr=1e-3",
+    "training.log_interval=20",
+]
+LAYOUTS = {
+    "1rank_micro2_acc2": (1, ["training.micro_batch_size=2", "training.gradient_accumulation_steps=2"]),
+    "2rank_micro2_acc1": (2, ["training.micro_batch_size=2", "training.gradient_accumulation_steps=1"]),
+    "1rank_micro1_acc4": (1, ["training.micro_batch_size=1", "training.gradient_accumulation_steps=4"]),
+    "4rank_micro1_acc1": (4, ["training.micro_batch_size=1", "training.gradient_accumulation_steps=1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def parity_losses(tmp_path_factory):
+    cache: dict[tuple[str, str], list[float]] = {}
+
+    def get(layout: str, loss_type: str) -> list[float]:
+        if (layout, loss_type) not in cache:
+            nproc, overrides = LAYOUTS[layout]
+            out = tmp_path_factory.mktemp(f"{layout}_{loss_type}")
+            result = train(out, PARITY + overrides + [f"training.loss_type={loss_type}"], nproc=nproc)
+            assert result.returncode == 0, result.stderr[-4000:]
+            cache[layout, loss_type] = [r["loss"] for r in read_metrics(out)]
+        return cache[layout, loss_type]
+
+    return get
+
+
+def mean_relative_error(test: list[float], reference: list[float]) -> float:
+    assert len(test) == len(reference) == 20
+    return sum(abs(t - r) / (abs(r) + 1e-8) for t, r in zip(test, reference)) / len(reference)
+
+
+@pytest.mark.parametrize(
+    "reference, test",
+    [("1rank_micro2_acc2", "2rank_micro2_acc1"), ("1rank_micro1_acc4", "4rank_micro1_acc1")],
+)
+def test_default_loss_parity_across_layouts(parity_losses, reference, test):
+    ref, got = parity_losses(reference, "default"), parity_losses(test, "default")
+    assert ref[0] != ref[-1]  # the run trains: a parity of constant curves would prove nothing
+    assert mean_relative_error(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("test", ["2rank_micro2_acc1", "1rank_micro1_acc4", "4rank_micro1_acc1"])
+def test_per_token_loss_parity_all_layouts(parity_losses, test):
+    ref = parity_losses("1rank_micro2_acc2", "per_token")
+    assert mean_relative_error(parity_losses(test, "per_token"), ref) <= 1e-5
+
+
+def test_per_token_differs_from_default_when_lengths_differ(parity_losses):
+    # The two normalisations weight tokens differently; equal curves would mean the switch does nothing.
+    assert parity_losses("1rank_micro2_acc2", "per_token") != parity_losses("1rank_micro2_acc2", "default")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# User errors: non-zero exit, a message naming the key, no traceback, nothing written.
+# --------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["training.micro_batch_size=0"], "training.micro_batch_size"),
+        (["training.gradient_acumulation_steps=2"], "Did you mean 'training.gradient_accumulation_steps'"),
+        (["parallel.fsdp_plan.apply_modules=[model.language_model.layerz.{*}]"], "model.language_model.layerz"),
+        (["model.config_overrides.text_config.hidden_sise=8"], "hidden_size"),
+        (["training.device=cuda"], "training.device"),
+    ],
+)
+def test_bad_config_exits_with_named_key(tmp_path, overrides, needle):
+    result = train(tmp_path / "run", overrides)
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_impossible_layout_fails_before_the_process_group(tmp_path):
+    env = clean_env()
+    env.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="4",
+        LOCAL_WORLD_SIZE="4",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    result = train(tmp_path / "run", ["parallel.data_parallel_replicate_size=3"], env=env)
+    assert result.returncode == 2
+    assert "parallel.data_parallel_replicate_size" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_nonfinite_policy_skip_then_stop(tmp_path):
+    common = ["training.train_iters=6", "training.lr=1e30", "training.lr_warmup_ratio=0", "training.clip_grad=0"]
+    stop = train(tmp_path / "stop", common + ["training.on_nonfinite=stop"])
+    assert stop.returncode == 3, stop.stderr[-2000:]
+    assert "non-finite" in stop.stderr and "training.on_nonfinite=stop" in stop.stderr
+    skip = train(tmp_path / "skip", common + ["training.on_nonfinite=skip", "training.max_skipped_steps=100"])
+    assert skip.returncode == 0, skip.stderr[-2000:]
+    records = read_metrics(tmp_path / "skip")
+    assert records[0]["skipped"] is False
+    assert any(r["skipped"] for r in records) and records[-1]["skipped_steps_total"] == sum(
+        r["skipped"] for r in records
+    )
