@@ -16,7 +16,7 @@ from glm45v_fsdp.config import Config
 from glm45v_fsdp.data import GlobalBatchSampler, build_dataloader, build_dataset, load_image_processor, load_tokenizer
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.model import apply_freeze, build_meta_model, describe_model, load_hf_config, materialize
-from glm45v_fsdp.parallel.fsdp import apply_fsdp
+from glm45v_fsdp.parallel.fsdp import apply_fsdp, is_sharded
 from glm45v_fsdp.parallel.plan import format_matches
 from glm45v_fsdp.runtime import (
     DeviceLayer,
@@ -85,6 +85,13 @@ def build_model(config: Config, runtime: Runtime) -> tuple[nn.Module, object]:
         model, config.parallel.fsdp_plan, fsdp_mesh(runtime.mesh, runtime.dims), pin_memory=runtime.device.type != "cpu"
     )
     log.info(format_matches("fsdp", matches))
+    if not is_sharded(model):
+        log.info(
+            "[plan fsdp] not applied: the FSDP mesh has one rank, so there is nothing to shard; modules stay plain "
+            "and param_dtype=%s runs %s",
+            config.parallel.fsdp_plan.param_dtype,
+            "under autocast" if config.parallel.fsdp_plan.param_dtype != "fp32" else "as is",
+        )
     materialize(model, runtime.torch_device, config.training.seed)
     log.info("weights: initialised from scratch (seed %d); no checkpoint was loaded", config.training.seed)
     log.info(describe_model(model, hf_config))

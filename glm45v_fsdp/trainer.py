@@ -22,6 +22,7 @@ from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.metrics import GIB, MetricsSink, StepRecord, format_line, format_summary, summarize
 from glm45v_fsdp.model import model_loss_sum
 from glm45v_fsdp.optim import build_optimizer, build_scheduler
+from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
 from glm45v_fsdp.runtime import MemoryMeter
 
 Batch = dict[str, torch.Tensor]
@@ -66,6 +67,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, training)
         track = training.track_memory if training.track_memory is not None else runtime.device.type != "cpu"
         self.meter = MemoryMeter(runtime.device, enabled=track)
+        self.precision = compute_precision(model, config.parallel.fsdp_plan, runtime.device.type)
         self.global_batch_size = training.micro_batch_size * training.gradient_accumulation_steps * runtime.dp_size
         self.step = 0
         self.skipped_steps = 0
@@ -120,9 +122,11 @@ class Trainer:
         global_valid_tensor = torch.tensor(global_valid, device=self.runtime.torch_device)
         report_loss = torch.zeros((), dtype=torch.float64, device=self.runtime.torch_device)
         for index, batch in enumerate(micro_batches):
-            self.model.set_requires_gradient_sync(index == accumulation - 1)
+            if is_sharded(self.model):
+                self.model.set_requires_gradient_sync(index == accumulation - 1)
             batch = move_batch(batch, self.runtime.torch_device)
-            ce_sum, valid = model_loss_sum(self.model, batch)
+            with self.precision:
+                ce_sum, valid = model_loss_sum(self.model, batch)
             scale = micro_loss_scale(training.loss_type, valid, global_valid_tensor, accumulation, self.runtime.dp_size)
             (ce_sum * scale).backward()
             if training.loss_type == "default":
