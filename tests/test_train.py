@@ -187,3 +187,42 @@ def test_nonfinite_policy_skip_then_stop(tmp_path):
     assert any(r["skipped"] for r in records) and records[-1]["skipped_steps_total"] == sum(
         r["skipped"] for r in records
     )
+
+
+def test_json_data_with_packing_workers_memory_tensorboard_and_freeze(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "imgs").mkdir()
+    records = []
+    for i in range(6):
+        Image.new("RGB", (56 + 14 * (i % 3), 56), (40 * i, 120, 200)).save(tmp_path / "imgs" / f"{i}.png")
+        records.append(
+            {
+                "image": f"imgs/{i}.png",
+                "conversations": [
+                    {"from": "human", "value": "<image>\nWhat colour is this?"},
+                    {"from": "gpt", "value": f"It is colour number {i}."},
+                ],
+            }
+        )
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    out = tmp_path / "run"
+    result = train(
+        out,
+        [
+            "data.dataset=json",
+            f"data.data_path={tmp_path / 'data.json'}",
+            "data.packing=true",
+            "data.num_workers=1",
+            "training.train_iters=3",
+            "training.track_memory=true",
+            "training.tensorboard=true",
+            "model.freeze=[model.visual.blocks.{*}]",
+        ],
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "model.visual.blocks.{*}: 2 module(s)" in result.stdout
+    assert "frozen 0.00M" not in result.stdout and "memory figure: tracked-tensors" in result.stdout
+    records = read_metrics(out)
+    assert len(records) == 3 and all(r["mem_peak_max_gib"] > 0 for r in records)
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))

@@ -9,6 +9,7 @@ needs FSDP, so it is applied whenever `cpu_offload` is on.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
@@ -19,6 +20,10 @@ from glm45v_fsdp.config import FsdpPlanConfig
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+# Glm4vMoeModel returns the vision tower's per-image embeddings as torch.split views; FSDP2 warns about any view
+# output because an in-place op on it would skip its hook. Nothing modifies them, so that one warning is noise.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGlm4vMoeModel\) returned a view tensor")
 
 
 def apply_fsdp(model: nn.Module, plan: FsdpPlanConfig, mesh: DeviceMesh, pin_memory: bool) -> list[PlanMatch]:
