@@ -15,7 +15,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.data import GlobalBatchSampler, build_dataloader, build_dataset, load_image_processor, load_tokenizer
 from glm45v_fsdp.log import get_logger
-from glm45v_fsdp.model import apply_freeze, build_meta_model, describe_model, load_hf_config, materialize
+from glm45v_fsdp.model import (
+    REQUIRED_FSDP_UNITS,
+    apply_freeze,
+    build_meta_model,
+    describe_model,
+    load_hf_config,
+    materialize,
+)
 from glm45v_fsdp.parallel.fsdp import apply_fsdp, is_sharded
 from glm45v_fsdp.parallel.plan import format_matches
 from glm45v_fsdp.runtime import (
@@ -40,6 +47,7 @@ class Runtime:
     env: DistEnv
     dims: ParallelDims
     mesh: DeviceMesh
+    dp_mesh: DeviceMesh  # the flattened (dp_replicate x dp_shard) mesh: data loading and loss reduction
 
     @property
     def torch_device(self) -> torch.device:
@@ -48,10 +56,6 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.env.rank == 0
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        return flattened_mesh(self.mesh, "dp")
 
     @property
     def dp_rank(self) -> int:
@@ -71,7 +75,7 @@ def build_runtime(config: Config, local_rank_arg: int | None = None) -> Runtime:
     init_distributed(env, device)
     set_seed(config.training.seed, device)
     mesh = build_device_mesh(dims, device.type)
-    return Runtime(device=device, env=env, dims=dims, mesh=mesh)
+    return Runtime(device=device, env=env, dims=dims, mesh=mesh, dp_mesh=flattened_mesh(mesh, "dp"))
 
 
 def build_model(config: Config, runtime: Runtime) -> tuple[nn.Module, object]:
@@ -82,7 +86,11 @@ def build_model(config: Config, runtime: Runtime) -> tuple[nn.Module, object]:
     if config.model.freeze:
         log.info(format_matches("freeze", apply_freeze(model, config.model.freeze)))
     matches = apply_fsdp(
-        model, config.parallel.fsdp_plan, fsdp_mesh(runtime.mesh, runtime.dims), pin_memory=runtime.device.type != "cpu"
+        model,
+        config.parallel.fsdp_plan,
+        fsdp_mesh(runtime.mesh, runtime.dims),
+        pin_memory=runtime.device.type != "cpu",
+        required_units=REQUIRED_FSDP_UNITS,
     )
     log.info(format_matches("fsdp", matches))
     if not is_sharded(model):
@@ -92,10 +100,20 @@ def build_model(config: Config, runtime: Runtime) -> tuple[nn.Module, object]:
             config.parallel.fsdp_plan.param_dtype,
             "under autocast" if config.parallel.fsdp_plan.param_dtype != "fp32" else "as is",
         )
-    materialize(model, runtime.torch_device, config.training.seed)
+    offloaded = is_sharded(model) and config.parallel.fsdp_plan.cpu_offload
+    # FSDP2's CPU offload wants the sharded parameters on the host; buffers (rotary tables) compute on the device.
+    materialize(model, torch.device("cpu") if offloaded else runtime.torch_device, config.training.seed)
+    if offloaded:
+        move_buffers(model, runtime.torch_device)
     log.info("weights: initialised from scratch (seed %d); no checkpoint was loaded", config.training.seed)
     log.info(describe_model(model, hf_config))
     return model, hf_config
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
 
 
 def build_data(config: Config, runtime: Runtime, hf_config: object, start_step: int = 0):

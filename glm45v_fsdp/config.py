@@ -54,9 +54,16 @@ class DataConfig:
 
 @dataclass
 class FsdpPlanConfig:
-    # `model` and `lm_head` must be units of their own: the loss calls them directly, not the root's forward.
+    # `model.visual` must be a unit of its own (the loss runs it before `model`); `model` and `lm_head` as units
+    # keep the embeddings and the output layer sharded outside their use.
     apply_modules: list[str] = field(
-        default_factory=lambda: ["model.visual.blocks.{*}", "model.language_model.layers.{*}", "model", "lm_head"]
+        default_factory=lambda: [
+            "model.visual.blocks.{*}",
+            "model.language_model.layers.{*}",
+            "model.visual",
+            "model",
+            "lm_head",
+        ]
     )
     param_dtype: DTypeName = "bf16"
     reduce_dtype: DTypeName = "fp32"
@@ -118,10 +125,6 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
-
-    @property
-    def global_batch_size_per_dp_rank(self) -> int:
-        return self.training.micro_batch_size * self.training.gradient_accumulation_steps
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -393,7 +396,12 @@ def validate(config: Config) -> None:
     _require(t.adam_eps > 0, "training.adam_eps", t.adam_eps, "> 0")
     _require(t.clip_grad >= 0, "training.clip_grad", t.clip_grad, ">= 0 (0 disables clipping)")
     _require(t.max_skipped_steps >= 0, "training.max_skipped_steps", t.max_skipped_steps, ">= 0")
-    _require(t.stats_start_step >= 0, "training.stats_start_step", t.stats_start_step, ">= 0")
+    _require(
+        0 <= t.stats_start_step <= t.train_iters,
+        "training.stats_start_step",
+        t.stats_start_step,
+        f"between 0 (automatic) and training.train_iters ({t.train_iters})",
+    )
     _require(bool(t.output_dir), "training.output_dir", t.output_dir, "a non-empty path")
     _require(d.cutoff_len >= 8, "data.cutoff_len", d.cutoff_len, "an integer >= 8")
     _require(d.num_workers >= 0, "data.num_workers", d.num_workers, ">= 0")

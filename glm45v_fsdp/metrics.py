@@ -6,12 +6,18 @@ non-padding tokens of the global batch; memory figures are per-rank peaks reduce
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import statistics
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from glm45v_fsdp.config import TrainingConfig
+from glm45v_fsdp.errors import UserError
 
 GIB = 1024**3
 
@@ -36,9 +42,13 @@ class StepRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
+        """A JSON-safe dict: non-finite figures (a skipped step's loss) become null."""
         record = asdict(self)
         record.update(record.pop("extra"))
-        return record
+        return {
+            key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()
+        }
 
 
 def format_line(record: StepRecord, total_steps: int, memory_kind: str) -> str:
@@ -65,11 +75,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(records: list[StepRecord], start_step: int) -> dict[str, Any]:
-    """Summary over the stats window (steps >= start_step, skipped steps included: they cost time too)."""
-    window = [r for r in records if r.step >= start_step] or records
+    """Summary over the stats window (steps >= start_step, skipped steps included: they cost time too).
+
+    Memory: the max over ranks of each rank's peak in the window, and the mean over ranks of those peaks.
+    """
+    window = [r for r in records if r.step >= start_step]
+    assert window, f"stats window starts at step {start_step}, after the last step {records[-1].step}"
     ms = [r.ms_per_iter for r in window]
     mean_ms = statistics.fmean(ms)
     global_batch = window[-1].global_batch_size
+    rank_peaks = [max(step_peaks) for step_peaks in zip(*(r.mem_peak_per_rank_gib for r in window))]
     tokens = statistics.fmean(r.tokens for r in window)
     return {
         "window": [window[0].step, window[-1].step],
@@ -79,8 +94,8 @@ def summarize(records: list[StepRecord], start_step: int) -> dict[str, Any]:
         "ms_per_iter_p99": percentile(ms, 99),
         "samples_per_s": global_batch * 1000.0 / mean_ms,
         "tokens_per_s": tokens * 1000.0 / mean_ms,
-        "mem_peak_max_gib": max(r.mem_peak_max_gib for r in window),
-        "mem_peak_avg_gib": statistics.fmean(r.mem_peak_avg_gib for r in window),
+        "mem_peak_max_gib": max(rank_peaks),
+        "mem_peak_avg_gib": statistics.fmean(rank_peaks),
         "loss_first": records[0].loss,
         "loss_last": records[-1].loss,
         "skipped_steps": records[-1].skipped_steps_total,
@@ -96,6 +111,26 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary['mem_peak_avg_gib']:.3f} GiB (max/avg) | loss {summary['loss_first']:.4f} -> "
         f"{summary['loss_last']:.4f} | skipped {summary['skipped_steps']}"
     )
+
+
+def check_outputs(training: TrainingConfig) -> None:
+    """Fail on every rank, before any collective, if rank 0 could not write its outputs."""
+    if training.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError(
+            "Config key 'training.tensorboard' = true but the tensorboard package is not installed. "
+            "Install it (pip install 'glm45v-fsdp[tensorboard]') or set training.tensorboard=false."
+        )
+    path = Path(training.output_dir).absolute()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"Config key 'training.output_dir' = '{training.output_dir}' is a file, not a directory.")
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    try:  # a real probe: permission bits say little to root or on network file systems; it leaves nothing behind
+        os.rmdir(tempfile.mkdtemp(prefix=".glm45v_probe_", dir=existing))
+    except OSError as error:
+        raise UserError(
+            f"Config key 'training.output_dir' = '{training.output_dir}' cannot be created: '{existing}' is not a "
+            f"writable directory ({error.strerror}). Choose a writable training.output_dir."
+        ) from None
 
 
 class MetricsSink:

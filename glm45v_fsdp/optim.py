@@ -43,7 +43,7 @@ def build_optimizer(model: nn.Module, training: TrainingConfig, fused: bool) -> 
 def lr_at(step: int, training: TrainingConfig) -> float:
     """Learning rate of optimizer step `step` (1-based): linear warmup from 0, then the decay down to min_lr."""
     total = training.train_iters
-    warmup = round(training.lr_warmup_ratio * total)
+    warmup = math.floor(training.lr_warmup_ratio * total + 0.5)  # half up: ratio 0.1 of 5 steps is 1 step
     if warmup and step <= warmup:
         return training.lr * step / warmup
     if training.lr_scheduler == "constant" or total <= warmup:

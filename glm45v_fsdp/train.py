@@ -38,11 +38,13 @@ def run(argv: list[str]) -> dict:
     from glm45v_fsdp.builders import build_data, build_model, build_runtime
     from glm45v_fsdp.config import load_config
     from glm45v_fsdp.log import setup_logging
+    from glm45v_fsdp.metrics import check_outputs
     from glm45v_fsdp.runtime import shutdown
     from glm45v_fsdp.trainer import Trainer
 
     args = parse_args(argv)
     config = load_config(args.config, args.overrides)
+    check_outputs(config.training)
     runtime = build_runtime(config, local_rank_arg=args.local_rank)
     try:
         setup_logging(runtime.env.rank)

@@ -17,10 +17,9 @@ from tqdm import tqdm
 
 from glm45v_fsdp.builders import Runtime
 from glm45v_fsdp.config import Config, dump_yaml
-from glm45v_fsdp.errors import TrainingStopped
+from glm45v_fsdp.errors import TrainingStopped, UserError
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.metrics import GIB, MetricsSink, StepRecord, format_line, format_summary, summarize
-from glm45v_fsdp.model import model_loss_sum
 from glm45v_fsdp.optim import build_optimizer, build_scheduler
 from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
 from glm45v_fsdp.runtime import MemoryMeter
@@ -35,15 +34,15 @@ def move_batch(batch: Batch, device: torch.device) -> Batch:
 def micro_loss_scale(
     loss_type: str, valid_tokens: torch.Tensor, global_valid_tokens: torch.Tensor, accumulation: int, dp_size: int
 ) -> torch.Tensor:
-    """Factor turning a micro batch's CE sum into the loss whose gradient FSDP then averages over DP.
+    """Factor turning a micro batch's CE sum into its share of the step's loss; FSDP sums gradients over ranks.
 
-    default:   sum(CE)/valid tokens of the micro batch, averaged over accumulation (here) and DP (FSDP's mean).
-    per_token: sum(CE)/valid tokens of the whole global batch; FSDP's mean over DP is undone by dp_size.
+    default:   sum(CE)/valid tokens of the micro batch, averaged over accumulation and over the DP ranks.
+    per_token: sum(CE)/valid tokens of the whole global batch.
     A micro batch without supervised tokens contributes zero.
     """
     if loss_type == "default":
-        return 1.0 / (valid_tokens.clamp(min=1).to(torch.float32) * accumulation)
-    return dp_size / global_valid_tokens.clamp(min=1).to(torch.float32)
+        return 1.0 / (valid_tokens.clamp(min=1).to(torch.float32) * accumulation * dp_size)
+    return 1.0 / global_valid_tokens.clamp(min=1).to(torch.float32)
 
 
 def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
@@ -68,6 +67,7 @@ class Trainer:
         track = training.track_memory if training.track_memory is not None else runtime.device.type != "cpu"
         self.meter = MemoryMeter(runtime.device, enabled=track)
         self.precision = compute_precision(model, config.parallel.fsdp_plan, runtime.device.type)
+        self.hsdp = is_sharded(model) and runtime.dims.dp_replicate > 1
         self.global_batch_size = training.micro_batch_size * training.gradient_accumulation_steps * runtime.dp_size
         self.step = 0
         self.skipped_steps = 0
@@ -118,26 +118,22 @@ class Trainer:
         accumulation = len(micro_batches)
         local_valid = sum(int(b["num_valid_tokens"]) for b in micro_batches)
         local_tokens = sum(int(b["num_tokens"]) for b in micro_batches)
-        global_valid, _ = self._dp_all_reduce([local_valid, 0.0])
+        global_valid, failed_ranks = self._dp_all_reduce([local_valid, 0])
+        if failed_ranks:
+            raise UserError("Another data-parallel rank stopped on a data error; its message is in that rank's output.")
         global_valid_tensor = torch.tensor(global_valid, device=self.runtime.torch_device)
         report_loss = torch.zeros((), dtype=torch.float64, device=self.runtime.torch_device)
         for index, batch in enumerate(micro_batches):
-            if is_sharded(self.model):
-                self.model.set_requires_gradient_sync(index == accumulation - 1)
+            if self.hsdp:
+                # Reduce-scatter every micro batch (keeps gradients sharded); all-reduce replicas only at the end.
+                self.model.set_requires_all_reduce(index == accumulation - 1)
             batch = move_batch(batch, self.runtime.torch_device)
             with self.precision:
-                ce_sum, valid = model_loss_sum(self.model, batch)
+                ce_sum, valid = self.model(batch)
             scale = micro_loss_scale(training.loss_type, valid, global_valid_tensor, accumulation, self.runtime.dp_size)
             (ce_sum * scale).backward()
-            if training.loss_type == "default":
-                report_loss += (ce_sum.detach() * scale).double()
-            else:
-                report_loss += ce_sum.detach().double()
-        loss_total, tokens = self._dp_all_reduce([report_loss, local_tokens])
-        if training.loss_type == "default":
-            loss = loss_total / self.runtime.dp_size
-        else:
-            loss = loss_total / max(global_valid, 1)
+            report_loss += (ce_sum.detach() * scale).double()
+        loss, tokens = self._dp_all_reduce([report_loss, local_tokens])
         grad_norm = total_grad_norm(self.parameters)
         if training.clip_grad > 0:
             torch.nn.utils.clip_grads_with_norm_(self.parameters, training.clip_grad, grad_norm, foreach=True)
@@ -160,7 +156,13 @@ class Trainer:
         return loss, grad_norm_value, int(tokens), skipped
 
     def _next_micro_batches(self, iterator: Iterator[Batch]) -> list[Batch]:
-        return [next(iterator) for _ in range(self.config.training.gradient_accumulation_steps)]
+        """The step's micro batches. A data error here stops every rank: the failing rank first tells the others
+        through the collective they would otherwise wait in (train_step's first all-reduce)."""
+        try:
+            return [next(iterator) for _ in range(self.config.training.gradient_accumulation_steps)]
+        except UserError:
+            self._dp_all_reduce([0, 1])
+            raise
 
     def _live_state(self) -> list[torch.Tensor]:
         """Tensors alive before a step that count toward its peak: parameters and optimizer state."""
@@ -226,7 +228,7 @@ class Trainer:
             if self.runtime.is_main and (self.step % training.log_interval == 0 or self.step == training.train_iters):
                 bar.write(format_line(record, training.train_iters, self.meter.kind), file=sys.stdout)
         bar.close()
-        start_step = training.stats_start_step or max(2, training.train_iters // 10 + 1)
+        start_step = training.stats_start_step or min(training.train_iters, max(2, training.train_iters // 10 + 1))
         summary = summarize(self.records, start_step)
         if self.sink is not None:
             self.sink.write_summary(summary)

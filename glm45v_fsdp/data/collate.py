@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
+from glm45v_fsdp.data.vocab import IGNORE_INDEX, supervised_token_count
 
 BATCH_METADATA_KEYS = ("num_valid_tokens", "num_samples", "num_tokens", "cu_seqlens")
 
@@ -75,6 +75,6 @@ def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> di
     """
     batch = _pack(samples) if packing else _pad(samples, pad_token_id)
     _add_images(batch, samples)
-    batch["num_valid_tokens"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    batch["num_valid_tokens"] = supervised_token_count(batch["labels"])
     batch["num_samples"] = torch.tensor(len(samples))
     return batch

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 from glm45v_fsdp.config import DataConfig
 from glm45v_fsdp.data.processor import image_token_counts, process_images
 from glm45v_fsdp.data.template import IMAGE_TAG, encode_conversation, mrope_position_ids
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
+from glm45v_fsdp.data.vocab import supervised_token_count
 from glm45v_fsdp.errors import UserError
 
 RESERVED_TOKENS = (
@@ -69,7 +69,7 @@ class ImageTextDataset(Dataset):
         mm_token_type_ids = (input_ids == self.tokenizer.convert_tokens_to_ids("<|image|>")).int()
         assert int(mm_token_type_ids.sum()) == sum(counts), "text holds reserved image tokens"
         length, kept_images = _cut_point(mm_token_type_ids, self.cutoff_len)
-        num_valid = int((labels[1:length] != IGNORE_INDEX).sum())
+        num_valid = int(supervised_token_count(labels[:length]))
         if num_valid == 0:
             raise UserError(
                 f"{self.describe(index)} has no supervised token left after truncation to data.cutoff_len="

@@ -39,3 +39,8 @@ VIDEO_END_TOKEN_ID = SPECIAL_TOKEN_IDS["<|end_of_video|>"]
 BYTE_TOKEN_OFFSET = len(SPECIAL_TOKENS)
 TINY_VOCAB_SIZE = 512
 IGNORE_INDEX = -100
+
+
+def supervised_token_count(labels):
+    """Tokens the loss supervises: labels[..., 1:] that are not IGNORE_INDEX (position t predicts label t + 1)."""
+    return (labels[..., 1:] != IGNORE_INDEX).sum()

@@ -9,11 +9,19 @@ from glm45v_fsdp.model.builder import (
     load_hf_config,
 )
 from glm45v_fsdp.model.init import materialize
-from glm45v_fsdp.model.loss import causal_lm_loss_sum, forward_hidden, model_loss_sum
+from glm45v_fsdp.model.loss import (
+    REQUIRED_FSDP_UNITS,
+    Glm4vMoeForTraining,
+    causal_lm_loss_sum,
+    forward_hidden,
+    model_loss_sum,
+)
 from glm45v_fsdp.model.presets import GLM45V_CONFIG, TINY_CONFIG
 
 __all__ = [
+    "REQUIRED_FSDP_UNITS",
     "GLM45V_CONFIG",
+    "Glm4vMoeForTraining",
     "TINY_CONFIG",
     "apply_freeze",
     "build_meta_model",

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
-from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration, PreTrainedConfig
+from transformers import Glm4vMoeConfig, PreTrainedConfig
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextExperts
 
 from glm45v_fsdp.config import ModelConfig
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.model.loss import Glm4vMoeForTraining
 from glm45v_fsdp.model.presets import PRESETS
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
@@ -100,8 +101,8 @@ def load_hf_config(model_cfg: ModelConfig) -> Glm4vMoeConfig:
     return config
 
 
-def build_meta_model(hf_config: Glm4vMoeConfig) -> Glm4vMoeForConditionalGeneration:
-    """Construct the model on the meta device (no memory, no init), with fp32 master parameters.
+def build_meta_model(hf_config: Glm4vMoeConfig) -> Glm4vMoeForTraining:
+    """Construct the training model on the meta device (no memory, no init), with fp32 master parameters.
 
     Sets `dtype=float32` on the config and its sub-configs first: transformers builds the sub-models in
     `config.dtype` (bf16 in the published config.json); compute precision is FSDP2's job.
@@ -111,7 +112,7 @@ def build_meta_model(hf_config: Glm4vMoeConfig) -> Glm4vMoeForConditionalGenerat
         getattr(hf_config, key).dtype = torch.float32
     try:
         with torch.device("meta"):
-            return Glm4vMoeForConditionalGeneration(hf_config)
+            return Glm4vMoeForTraining(hf_config)
     except ImportError as error:
         raise UserError(
             f"Config key 'model.attn_implementation' = {hf_config._attn_implementation!r} cannot be used here: "

@@ -1,46 +1,58 @@
-"""Forward to the last hidden state and the summed causal-LM loss (normalization is the trainer's job)."""
+"""Forward to the last hidden state and the summed causal-LM loss (normalisation is the trainer's job).
+
+A step enters through the root module (`Glm4vMoeForTraining.forward`), so FSDP2's root hooks run; inside, the loss
+calls `model.model.visual` first (always: on a dummy image when a micro batch has none), then `model.model` and
+`model.lm_head` (the chunked loss will need the hidden states). The vision tower thus runs outside `model.model`'s
+forward, so under FSDP2 it must be a unit of its own (REQUIRED_FSDP_UNITS), which the FSDP plan checks.
+"""
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from transformers import Glm4vMoeForConditionalGeneration
 
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
-from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.data.vocab import IGNORE_INDEX, supervised_token_count
 
 # Collated batch keys passed to Glm4vMoeModel.forward when present; bookkeeping keys are ignored.
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
-_CHECKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+REQUIRED_FSDP_UNITS = ("model.visual",)
 
 
-def _check_fsdp_root(model: nn.Module) -> None:
-    """The loss calls `model.model` and `model.lm_head`, never the root's forward, so the root FSDP unit's
-    all-gather never runs: every parameter must belong to a nested FSDP unit."""
-    if model in _CHECKED or not isinstance(model, FSDPModule):
-        return
-    units = [name + "." for name, module in model.named_modules() if name and isinstance(module, FSDPModule)]
-    left = [name for name, _ in model.named_parameters() if not any(name.startswith(unit) for unit in units)]
-    if left:
-        raise UserError(
-            f"Config key 'parallel.fsdp_plan.apply_modules' leaves {len(left)} parameter(s) in the root FSDP unit "
-            f"(e.g. {left[:3]}), but the loss calls model.model and model.lm_head directly, so the root unit never "
-            f"gathers them. Add 'model' and 'lm_head' to parallel.fsdp_plan.apply_modules."
-        )
-    _CHECKED.add(model)
-
-
-def forward_hidden(model: nn.Module, batch: dict) -> torch.Tensor:
+def forward_hidden(model: nn.Module, batch: dict, image_outputs: object | None = None) -> torch.Tensor:
     """Run `model.model` (vision tower + language model) on a collated batch -> last hidden state [B, S, H].
 
     position_ids may be [3, B, S] (mRoPE) or [4, B, S] (packed: row 0 holds the per-sequence text positions).
+    `image_outputs` are the batch's vision features computed beforehand (see `encode_images`); without them the
+    model runs its vision tower itself on `pixel_values`.
     """
-    _check_fsdp_root(model)
     inputs = {key: batch[key] for key in _MODEL_INPUTS if batch.get(key) is not None}
+    if image_outputs is not None:
+        inputs.pop("pixel_values", None)
+        inputs["mm_encoder_outputs"] = {"image": image_outputs}
     return model.model(**inputs, use_cache=False).last_hidden_state
+
+
+def encode_images(model: nn.Module, batch: dict) -> object:
+    """Run the vision tower first, on every rank and for every micro batch, and return its outputs.
+
+    A micro batch without images runs a one-token dummy image and hands on an empty slice of its features, so the
+    autograd graph has the same shape on every rank: vision tower -> image features (as an input of `model.model`)
+    -> merge into the text embeddings. Skipping the vision tower on a text-only batch, or feeding it in elsewhere,
+    would change which FSDP collectives run and in what order (a hang or silent corruption across ranks). The
+    vision parameters then get a zero gradient, on every rank and in every layout alike.
+    """
+    if batch.get("pixel_values") is not None:
+        return model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"])
+    vision = model.model.visual.config
+    merge = vision.spatial_merge_size
+    device = batch["input_ids"].device
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.zeros(merge * merge, patch_dim, device=device)
+    outputs = model.model.get_image_features(pixels, torch.tensor([[1, merge, merge]], device=device))
+    outputs.pooler_output = (outputs.pooler_output[0][:0],)
+    return outputs
 
 
 def causal_lm_loss_sum(
@@ -55,9 +67,21 @@ def causal_lm_loss_sum(
     loss_sum = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    return loss_sum, (shift_labels != IGNORE_INDEX).sum()
+    return loss_sum, supervised_token_count(labels)
 
 
 def model_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """forward_hidden + causal_lm_loss_sum with the model's lm_head."""
-    return causal_lm_loss_sum(forward_hidden(model, batch), model.lm_head, batch["labels"])
+    """encode_images + forward_hidden + causal_lm_loss_sum with the model's lm_head."""
+    hidden = forward_hidden(model, batch, encode_images(model, batch))
+    return causal_lm_loss_sum(hidden, model.lm_head, batch["labels"])
+
+
+class Glm4vMoeForTraining(Glm4vMoeForConditionalGeneration):
+    """transformers' GLM-4.5V with a training forward: collated batch -> (CE sum, supervised tokens).
+
+    Same modules and parameter names as the parent, so checkpoints and state dicts are interchangeable; only
+    `forward` differs. Calling the root module keeps FSDP2's root logic (lazy init, root hooks) on the normal path.
+    """
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return model_loss_sum(self, batch)

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from glm45v_fsdp.config import FsdpPlanConfig
+from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -26,28 +27,46 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGlm4vMoeModel\) returned a view tensor")
 
 
-def apply_fsdp(model: nn.Module, plan: FsdpPlanConfig, mesh: DeviceMesh, pin_memory: bool) -> list[PlanMatch]:
+def apply_fsdp(
+    model: nn.Module, plan: FsdpPlanConfig, mesh: DeviceMesh, pin_memory: bool, required_units: tuple[str, ...] = ()
+) -> list[PlanMatch]:
     """Shard the planned modules innermost first (so nested patterns work), then the root.
 
+    `required_units` are modules the training forward calls outside their parent's forward, so each must be an
+    FSDP unit of its own or its parameters would not be gathered when it runs; the plan must select them.
     Returns each pattern's matches for the log. The root keeps its parameters unsharded after forward: backward
     starts with it at once, so resharding would only cost an extra all-gather.
     """
     matches = match_modules(model, plan.apply_modules, "parallel.fsdp_plan.apply_modules")
+    selected_names = {name for match in matches for name in match.names}
+    present = dict(model.named_modules())
+    missing = [unit for unit in required_units if unit in present and unit not in selected_names]
+    if missing:
+        raise UserError(
+            f"Config key 'parallel.fsdp_plan.apply_modules' = {plan.apply_modules} does not select {missing}. The "
+            f"training forward runs {', '.join(required_units)} outside its parent module's forward, so each must be "
+            f"an FSDP unit of its own: add {missing} to parallel.fsdp_plan.apply_modules."
+        )
     if mesh.size() == 1 and not plan.cpu_offload:
         return matches
-    modules = dict(model.named_modules())
-    selected = sorted({name for match in matches for name in match.names}, key=lambda n: -n.count("."))
+    selected = sorted(selected_names, key=lambda n: -n.count("."))
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan.param_dtype], reduce_dtype=DTYPES[plan.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if plan.cpu_offload else OffloadPolicy()
     for name in selected:
         fully_shard(
-            modules[name],
+            present[name],
             mesh=mesh,
             mp_policy=policy,
             offload_policy=offload,
             reshard_after_forward=plan.reshard_after_forward,
         )
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Plain SUM over the FSDP mesh (no AVG, no PREMUL_SUM, which gloo lacks): the trainer's loss scale
+            # holds the whole normalisation, so it stays right when CP ranks join the mesh.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     return matches
 
 

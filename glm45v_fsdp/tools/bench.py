@@ -1,8 +1,9 @@
 """Benchmarks. `python -m glm45v_fsdp.tools.bench overhead [--steps N] [key.path=value ...]`
 
-overhead: our 1-rank training step (FSDP2 on a 1-rank mesh, the Trainer's step with its metrics) against a bare
-PyTorch loop over the same transformers model, weights, batch and optimizer, timed side by side in one process
-(alternating blocks, so drift in machine speed hits both). Prints the ratio ours/bare and writes it as JSON.
+overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
+on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
+same transformers model, weights, batch and optimizer, timed side by side in one process (alternating blocks, so
+drift in machine speed hits both). Prints the ratio ours/bare and writes it as JSON.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class BareLoop:
     """What a user would write without any framework: HF model, its own loss, AdamW, clipping."""
 
-    def __init__(self, hf_config, state_dict: dict[str, torch.Tensor], config, fused: bool) -> None:
-        self.model = Glm4vMoeForConditionalGeneration(hf_config)
+    def __init__(self, hf_config, state_dict: dict[str, torch.Tensor], config, device) -> None:
+        self.device = device
+        self.model = Glm4vMoeForConditionalGeneration(hf_config).to(device.device(0))
         self.model.load_state_dict(state_dict, strict=True)
         self.model.train()
         training = config.training
@@ -60,21 +62,24 @@ class BareLoop:
             betas=(training.adam_beta1, training.adam_beta2),
             eps=training.adam_eps,
             weight_decay=training.weight_decay,
-            fused=fused or None,
+            fused=device.has_fused_adamw() or None,
         )
         self.clip = training.clip_grad
 
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
-        total = 0.0
+        """One step; returns the loss (mean over the micro batches) after the device finished."""
+        total = torch.zeros(())
         for batch in micro_batches:
-            inputs = {key: batch[key] for key in BARE_INPUT_KEYS if key in batch}
+            inputs = {key: batch[key].to(self.device.device(0)) for key in BARE_INPUT_KEYS if key in batch}
             loss = self.model(**inputs).loss / len(micro_batches)
             loss.backward()
-            total += float(loss)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            total = total + loss.detach().cpu()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total
+        self.device.synchronize()
+        return float(total)
 
 
 def run_overhead(steps: int, warmup: int, blocks: int, overrides: list[str], output: Path | None) -> dict:
@@ -94,7 +99,7 @@ def run_overhead(steps: int, warmup: int, blocks: int, overrides: list[str], out
         loader, _ = build_data(config, runtime, hf_config)
         trainer = Trainer(config, runtime, model, loader)
         micro_batches = trainer._next_micro_batches(iter(loader))
-        bare = BareLoop(hf_config, full_state_dict(model), config, fused=runtime.device.has_fused_adamw())
+        bare = BareLoop(hf_config, full_state_dict(model), config, runtime.device)
 
         first_ours = trainer.train_step(micro_batches)[0]
         first_bare = bare.step(micro_batches)
