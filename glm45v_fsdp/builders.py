@@ -1,17 +1,22 @@
 """The builders every door shares (trainer, benchmarks, later ds_compat and tools): runtime, model, data.
 
 Plans are applied to the meta-device model in one fixed order (DESIGN.md): freeze, then (as they land) recompute,
-offload, chunk loss, EP, CP, then FSDP, then the weights are materialised (and later loaded).
+offload, chunk loss, EP, CP, then FSDP, then the weights are materialised and, for training.load of HF weights,
+loaded. A DCP checkpoint is restored later, by the Trainer, once the optimizer exists.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from glm45v_fsdp.checkpoint.dcp import load_checkpoint, resolve_load
+from glm45v_fsdp.checkpoint.hf import load_hf_weights
+from glm45v_fsdp.checkpoint.layout import KeyDiff, describe_diff
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.data import GlobalBatchSampler, build_dataloader, build_dataset, load_image_processor, load_tokenizer
 from glm45v_fsdp.log import get_logger
@@ -79,8 +84,10 @@ def build_runtime(config: Config, local_rank_arg: int | None = None) -> Runtime:
 
 
 def build_model(config: Config, runtime: Runtime) -> tuple[nn.Module, object]:
-    """GLM-4.5V on the meta device -> plans -> FSDP2 -> weights on the device. Returns (model, hf_config)."""
+    """GLM-4.5V on the meta device -> plans -> FSDP2 -> weights on the device -> HF weights (training.load).
+    Returns (model, hf_config)."""
     log = get_logger()
+    source = resolve_load(config.training)
     hf_config = load_hf_config(config.model)
     model = build_meta_model(hf_config)
     if config.model.freeze:
@@ -105,9 +112,40 @@ def build_model(config: Config, runtime: Runtime) -> tuple[nn.Module, object]:
     materialize(model, torch.device("cpu") if offloaded else runtime.torch_device, config.training.seed)
     if offloaded:
         move_buffers(model, runtime.torch_device)
-    log.info("weights: initialised from scratch (seed %d); no checkpoint was loaded", config.training.seed)
+    if source is None:
+        log.info("weights: initialised from scratch (seed %d); no checkpoint was loaded", config.training.seed)
+    elif source.format == "hf":
+        load_hf(model, source.path, config.training.load_strict)
+    elif source.format == "dcp-weights":
+        diff = load_checkpoint(model, None, source.path, strict=config.training.load_strict)
+        log.info("weights: loaded from weights-only DCP checkpoint %s (training starts at step 0)", source.path)
+        if not diff.ok:
+            log.warning("weights: not loaded (training.load_strict=false): %s", describe_diff(diff))
+    else:
+        log.info("weights: restored from DCP checkpoint %s once the optimizer is built (resume)", source.path)
     log.info(describe_model(model, hf_config))
     return model, hf_config
+
+
+def load_hf(model: nn.Module, directory: Path, strict: bool) -> None:
+    """Load HF safetensors weights (this rank's slices) into the materialised model and log what was read."""
+    report = load_hf_weights(model, directory, strict=strict)
+    get_logger().info(
+        "weights: loaded from HF checkpoint %s (source %s): %d file(s), %d tensor(s), %.1f MiB read on this rank, "
+        "expert layout %s",
+        directory,
+        report.source,
+        report.files,
+        report.tensors_read,
+        report.bytes_read / 2**20,
+        report.expert_layout,
+    )
+    leftovers = KeyDiff(report.missing, report.unexpected, report.mismatched)
+    if not leftovers.ok:
+        get_logger().warning(
+            "weights: not loaded (training.load_strict=false; these keep their initial values): %s",
+            describe_diff(leftovers),
+        )
 
 
 def move_buffers(model: nn.Module, device: torch.device) -> None:

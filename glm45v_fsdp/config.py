@@ -116,6 +116,24 @@ class TrainingConfig:
     tensorboard: bool = False
     # First step of the summary's stats window; 0 = skip the first 10% of steps (at least one).
     stats_start_step: int = 0
+    # Weights / checkpoint to start from: an HF model directory (safetensors), a DCP save directory (its latest
+    # complete checkpoint) or one DCP checkpoint. null = initialise from scratch (the log says so).
+    load: str | None = None
+    load_format: Literal["auto", "hf", "dcp"] = "auto"
+    # Missing, unexpected or shape-mismatched keys stop the run before step 1.
+    load_strict: bool = True
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    # DCP save directory; a checkpoint every save_interval steps (0 = only at the end), the last save_keep_last kept
+    # (0 = all), optionally written in the background.
+    save: str | None = None
+    save_interval: int = 0
+    save_keep_last: int = 0
+    async_save: bool = False
+    # Also export the final weights to this directory as HF safetensors (per-expert layout, loadable by transformers).
+    save_hf: str | None = None
+    # Write the first N micro batches of each rank to <output_dir>/batches/rank{R}_micro{K}.pt.
+    dump_batches: int = 0
 
 
 @dataclass
@@ -403,6 +421,27 @@ def validate(config: Config) -> None:
         f"between 0 (automatic) and training.train_iters ({t.train_iters})",
     )
     _require(bool(t.output_dir), "training.output_dir", t.output_dir, "a non-empty path")
+    _require(t.save_interval >= 0, "training.save_interval", t.save_interval, ">= 0 (0 = save only at the end)")
+    _require(t.save_keep_last >= 0, "training.save_keep_last", t.save_keep_last, ">= 0 (0 = keep all)")
+    _require(t.dump_batches >= 0, "training.dump_batches", t.dump_batches, ">= 0")
+    if t.load is None:
+        for key in ("load_format", "no_load_optim", "no_load_rng"):
+            default = getattr(TrainingConfig, key)
+            _require(
+                getattr(t, key) == default,
+                f"training.{key}",
+                getattr(t, key),
+                f"{default!r} unless training.load is set",
+            )
+    if t.save is None:
+        for key in ("save_interval", "save_keep_last", "async_save"):
+            default = getattr(TrainingConfig, key)
+            _require(
+                getattr(t, key) == default,
+                f"training.{key}",
+                getattr(t, key),
+                f"{default!r} unless training.save is set",
+            )
     _require(d.cutoff_len >= 8, "data.cutoff_len", d.cutoff_len, "an integer >= 8")
     _require(d.num_workers >= 0, "data.num_workers", d.num_workers, ">= 0")
     _require(d.synthetic_samples >= 1, "data.synthetic_samples", d.synthetic_samples, ">= 1")

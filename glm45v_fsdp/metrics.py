@@ -136,10 +136,18 @@ def check_outputs(training: TrainingConfig) -> None:
 class MetricsSink:
     """Rank 0's writers: metrics.jsonl (one record per step), summary.json and optional TensorBoard scalars."""
 
-    def __init__(self, output_dir: Path, tensorboard: bool) -> None:
+    def __init__(self, output_dir: Path, tensorboard: bool, continue_after_step: int = 0) -> None:
+        """A fresh metrics.jsonl, or (a resumed run) the existing one cut after `continue_after_step`: records of
+        a run that went further before it died are dropped, so the file stays one curve."""
         output_dir.mkdir(parents=True, exist_ok=True)
         self.path = output_dir / "metrics.jsonl"
+        kept = []
+        if continue_after_step and self.path.is_file():
+            kept = [
+                line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= continue_after_step
+            ]
         self._file: IO[str] = self.path.open("w")
+        self._file.writelines(line + "\n" for line in kept)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

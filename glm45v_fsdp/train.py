@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from glm45v_fsdp.errors import TrainingStopped, UserError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from glm45v_fsdp.config import Config
 
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 3
@@ -34,8 +40,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(argv: list[str]) -> dict:
-    """Parse, validate, build and train; returns the end-of-run summary."""
+    """Parse, validate, build, resume (DCP), train, export (training.save_hf); returns the end-of-run summary."""
     from glm45v_fsdp.builders import build_data, build_model, build_runtime
+    from glm45v_fsdp.checkpoint.dcp import check_save_targets, resolve_load
+    from glm45v_fsdp.checkpoint.state import data_start_step, read_trainer_state
     from glm45v_fsdp.config import load_config
     from glm45v_fsdp.log import setup_logging
     from glm45v_fsdp.metrics import check_outputs
@@ -45,14 +53,37 @@ def run(argv: list[str]) -> dict:
     args = parse_args(argv)
     config = load_config(args.config, args.overrides)
     check_outputs(config.training)
+    check_save_targets(config.training)
+    source = resolve_load(config.training)  # path errors before any collective; build_model loads HF weights
+    resume = source.path if source is not None and source.format == "dcp" else None
     runtime = build_runtime(config, local_rank_arg=args.local_rank)
     try:
         setup_logging(runtime.env.rank)
         model, hf_config = build_model(config, runtime)
-        loader, _ = build_data(config, runtime, hf_config)
-        return Trainer(config, runtime, model, loader).run()
+        training = config.training
+        global_batch = training.micro_batch_size * training.gradient_accumulation_steps * runtime.dp_size
+        start_step = data_start_step(read_trainer_state(resume), global_batch) if resume else 0
+        loader, tokenizer = build_data(config, runtime, hf_config, start_step=start_step)
+        trainer = Trainer(config, runtime, model, loader)
+        if resume:
+            trainer.resume(resume)
+        summary = trainer.run()
+        if training.save_hf:
+            export_final_weights(config, model, hf_config, tokenizer)
+        return summary
     finally:
         shutdown()
+
+
+def export_final_weights(config: Config, model: nn.Module, hf_config: object, tokenizer: object) -> None:
+    """training.save_hf: the trained weights as an HF model directory (collective: every rank calls it)."""
+    from glm45v_fsdp.checkpoint.hf_export import export_hf
+    from glm45v_fsdp.data import load_image_processor
+    from glm45v_fsdp.log import get_logger
+
+    image_processor = load_image_processor(config.model.name_or_path, hf_config.vision_config)
+    export_hf(model, config.training.save_hf, hf_config, tokenizer=tokenizer, image_processor=image_processor)
+    get_logger().info("exported the final weights as HF safetensors to %s", config.training.save_hf)
 
 
 def main(argv: list[str] | None = None) -> int:

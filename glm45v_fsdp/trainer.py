@@ -1,4 +1,5 @@
-"""The step loop: accumulation, loss normalisation, clipping, non-finite policy, optimizer, schedule, metrics."""
+"""The step loop: accumulation, loss normalisation, clipping, non-finite policy, optimizer, schedule, metrics,
+checkpoint cadence and resume."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from glm45v_fsdp.builders import Runtime
+from glm45v_fsdp.checkpoint.dcp import Checkpointer, load_checkpoint
+from glm45v_fsdp.checkpoint.layout import describe_diff
+from glm45v_fsdp.checkpoint.state import capture_rng, read_trainer_state, restore_rng
 from glm45v_fsdp.config import Config, dump_yaml
+from glm45v_fsdp.data.dump import BatchDumper
 from glm45v_fsdp.errors import TrainingStopped, UserError
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.metrics import GIB, MetricsSink, StepRecord, format_line, format_summary, summarize
@@ -71,13 +76,17 @@ class Trainer:
         self.global_batch_size = training.micro_batch_size * training.gradient_accumulation_steps * runtime.dp_size
         self.step = 0
         self.skipped_steps = 0
+        self.consumed_samples = 0
         self.records: list[StepRecord] = []
         self.output_dir = Path(training.output_dir)
-        self.sink: MetricsSink | None = None
+        self.sink: MetricsSink | None = None  # rank 0 opens it at the first record, after a resume set the step
         if runtime.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_yaml(config))
-            self.sink = MetricsSink(self.output_dir, tensorboard=training.tensorboard)
+        self.checkpointer = Checkpointer(training, runtime.env.rank) if training.save else None
+        self.dumper = (
+            BatchDumper(self.output_dir, runtime.env.rank, training.dump_batches) if training.dump_batches else None
+        )
         self.log.info(
             "optimizer: AdamW (%s) | schedule %s warmup %.2f | loss %s, kernel: full-logits cross-entropy | "
             "memory figure: %s | global batch %d = micro %d x accumulation %d x dp %d",
@@ -93,6 +102,76 @@ class Trainer:
         )
 
     # ----------------------------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What `trainer_state.pt` holds besides the DCP tensors."""
+        return {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "scheduler": self.scheduler.state_dict(),
+            "consumed_samples": self.consumed_samples,
+            "global_batch_size": self.global_batch_size,
+            "world_size": self.runtime.env.world_size,
+            "config": dump_yaml(self.config),
+        }
+
+    def resume(self, checkpoint: Path) -> None:
+        """Restore model, optimizer (unless training.no_load_optim), scheduler, counters and RNG (unless
+        training.no_load_rng) from a DCP checkpoint. The loader must already start at the checkpoint's data
+        position (train.py builds it with `data_start_step`)."""
+        training = self.config.training
+        state = read_trainer_state(checkpoint)
+        optimizer = None if training.no_load_optim else self.optimizer
+        diff = load_checkpoint(self.model, optimizer, checkpoint, strict=training.load_strict)
+        if not diff.ok:
+            self.log.warning("resume: not loaded (training.load_strict=false): %s", describe_diff(diff))
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr  # the optimizer's own state holds it too, but not under no_load_optim
+        self.step = state["step"]
+        self.skipped_steps = state["skipped_steps"]
+        self.consumed_samples = state["consumed_samples"]
+        world = self.runtime.env.world_size
+        if self.runtime.is_main and state["world_size"] != world:
+            self.log.warning(
+                "resume: the checkpoint was saved by %d rank(s), this run has %d: tensors are resharded; ranks "
+                "without a saved RNG state keep their seeded generators",
+                state["world_size"],
+                world,
+            )
+        if self.runtime.is_main and state["global_batch_size"] != self.global_batch_size:
+            start, repeated = divmod(self.consumed_samples, self.global_batch_size)
+            self.log.warning(
+                "resume: the global batch size changed from %d to %d; after %d consumed samples the data stream "
+                "continues at step %d of the new batch size%s",
+                state["global_batch_size"],
+                self.global_batch_size,
+                self.consumed_samples,
+                start,
+                f", so the last {repeated} consumed samples are seen again" if repeated else "",
+            )
+        if training.no_load_rng:
+            rng = "not restored (training.no_load_rng=true)"
+        else:
+            rng = "restored" if restore_rng(checkpoint, self.runtime.env.rank, self.runtime.device) else "seeded"
+        if self.checkpointer is not None:
+            self.checkpointer.last_step = self.step
+        self.log.info(
+            "resumed from DCP checkpoint %s: step %d, skipped steps %d, consumed samples %d | model restored, "
+            "optimizer %s, scheduler restored (lr %.3e), rng %s",
+            checkpoint,
+            self.step,
+            self.skipped_steps,
+            self.consumed_samples,
+            "not restored (training.no_load_optim=true)" if training.no_load_optim else "restored",
+            self.optimizer.param_groups[0]["lr"],
+            rng,
+        )
+
+    def save_checkpoint(self) -> None:
+        assert self.checkpointer is not None
+        rng = capture_rng(self.runtime.device)
+        self.checkpointer.save(self.step, self.model, self.optimizer, self.checkpoint_state(), rng)
+
     def _dp_all_reduce(self, values: list[torch.Tensor | float]) -> list[float]:
         """Sum small scalars over the data-parallel ranks in one collective."""
         device = self.runtime.torch_device
@@ -159,10 +238,14 @@ class Trainer:
         """The step's micro batches. A data error here stops every rank: the failing rank first tells the others
         through the collective they would otherwise wait in (train_step's first all-reduce)."""
         try:
-            return [next(iterator) for _ in range(self.config.training.gradient_accumulation_steps)]
+            batches = [next(iterator) for _ in range(self.config.training.gradient_accumulation_steps)]
         except UserError:
             self._dp_all_reduce([0, 1])
             raise
+        if self.dumper is not None:
+            for batch in batches:
+                self.dumper.dump(batch)
+        return batches
 
     def _live_state(self) -> list[torch.Tensor]:
         """Tensors alive before a step that count toward its peak: parameters and optimizer state."""
@@ -183,6 +266,7 @@ class Trainer:
 
     def _record(self, lr: float, ms: float, loss: float, grad_norm: float, tokens: int, skipped: bool) -> StepRecord:
         self.step += 1
+        self.consumed_samples += self.global_batch_size
         ms_ranks, mem_ranks = self._gather_rank_figures(ms, self.meter.peak_bytes())
         ms_max = max(ms_ranks)
         record = StepRecord(
@@ -203,12 +287,15 @@ class Trainer:
             mem_peak_per_rank_gib=mem_ranks,
         )
         self.records.append(record)
-        if self.sink is not None:
+        if self.runtime.is_main:
+            if self.sink is None:
+                self.sink = MetricsSink(self.output_dir, self.config.training.tensorboard, record.step - 1)
             self.sink.write(record)
         return record
 
     def run(self) -> dict[str, Any]:
-        """Train until training.train_iters; ms/iter includes fetching the step's micro batches."""
+        """Train until training.train_iters; ms/iter includes fetching the step's micro batches. A background
+        checkpoint write still in flight is finished (and published) on the way out, also after an error."""
         training = self.config.training
         iterator = iter(self.loader)
         bar = tqdm(
@@ -221,17 +308,44 @@ class Trainer:
             desc="train",
         )
         self.model.train()
+        try:
+            self._loop(iterator, bar)
+        finally:
+            bar.close()
+            waited = self.checkpointer.wait() if self.checkpointer is not None else 0.0
+        summary = self._summary()
+        if self.checkpointer is not None:
+            self.log.info(
+                "checkpoints: step loop blocked %.3f s in total%s",
+                self.checkpointer.blocked_s,
+                f"; waited {waited:.3f} s at the end for the background write" if training.async_save else "",
+            )
+            if summary:
+                summary["checkpoint_blocked_s"] = self.checkpointer.blocked_s
+        if self.sink is not None:
+            self.sink.write_summary(summary)
+            self.sink.close()
+            self.log.info(format_summary(summary))
+        return summary
+
+    def _loop(self, iterator: Iterator[Batch], bar: tqdm) -> None:
+        training = self.config.training
         while self.step < training.train_iters:
             start = time.perf_counter()
             record = self.step_once(self._next_micro_batches(iterator), started=start)
             bar.update(1)
             if self.runtime.is_main and (self.step % training.log_interval == 0 or self.step == training.train_iters):
                 bar.write(format_line(record, training.train_iters, self.meter.kind), file=sys.stdout)
-        bar.close()
+            if self.checkpointer is not None:
+                self.checkpointer.poll()
+                if self.checkpointer.due(self.step):
+                    self.save_checkpoint()
+
+    def _summary(self) -> dict[str, Any]:
+        """summarize() over this process's steps; empty when a resume started at training.train_iters."""
+        training = self.config.training
+        if not self.records:
+            self.log.info("nothing to train: the run is at step %d of %d", self.step, training.train_iters)
+            return {}
         start_step = training.stats_start_step or min(training.train_iters, max(2, training.train_iters // 10 + 1))
-        summary = summarize(self.records, start_step)
-        if self.sink is not None:
-            self.sink.write_summary(summary)
-            self.sink.close()
-            self.log.info(format_summary(summary))
-        return summary
+        return summarize(self.records, start_step)

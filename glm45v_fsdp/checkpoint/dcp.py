@@ -1,0 +1,341 @@
+"""DCP checkpoints of a training run: layout, atomic publish, (background) saves and the strict, resharding load.
+
+A save directory (training.save) holds:
+    step_00000012/              one complete checkpoint
+        .metadata, __R_0.distcp DCP files of {"model": model state dict, "optim": optimizer state dict}
+        trainer_state.pt        rank 0: step, scheduler, consumed samples, config, world size (checkpoint/state.py)
+        rng/rank{R}.pt          rank R's RNG states
+    step_00000018.tmp/          a save in progress or an interrupted one: never resumed from, removed by the next save
+    latest                      the name of the newest complete checkpoint
+Every file is written into `step_N.tmp/`; once all ranks are done, rank 0 renames it to `step_N/` and then rewrites
+`latest`, so an interrupted save never looks complete. The state dicts come from
+torch.distributed.checkpoint.state_dict (FQN keys; DTensor shards or plain tensors), so a checkpoint written by N
+ranks loads on M.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from glm45v_fsdp.checkpoint.hf import detect_format
+from glm45v_fsdp.checkpoint.layout import KeyDiff, compare_keys, describe_diff
+from glm45v_fsdp.checkpoint.state import RNG_DIR, TRAINER_STATE_FILE, rng_file
+from glm45v_fsdp.config import TrainingConfig
+from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.log import get_logger
+
+TMP_SUFFIX = ".tmp"
+LATEST_FILE = "latest"
+METADATA_FILE = ".metadata"
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    """A published checkpoint: a `step_N` directory with the DCP metadata and the trainer state."""
+    return (
+        bool(_STEP_DIR.match(path.name)) and (path / METADATA_FILE).is_file() and (path / TRAINER_STATE_FILE).is_file()
+    )
+
+
+def complete_checkpoints(save_dir: Path) -> list[Path]:
+    """The complete checkpoints of a save directory, lowest step first (`.tmp` directories never count)."""
+    if not save_dir.is_dir():
+        return []
+    found = [path for path in save_dir.iterdir() if path.is_dir() and is_complete(path)]
+    return sorted(found, key=lambda path: int(_STEP_DIR.match(path.name)[1]))
+
+
+def find_checkpoint(path: Path, what: str = "Config key 'training.load'") -> Path:
+    """`path` itself when it is a complete checkpoint; for a save directory the one `latest` names when that is
+    complete, else its highest complete step. `what` names the setting in the error."""
+    if is_complete(path):
+        return path
+    latest = path / LATEST_FILE
+    named = path / latest.read_text().strip() if latest.is_file() else None
+    if named is not None and is_complete(named):
+        return named
+    found = complete_checkpoints(path)
+    if found:
+        return found[-1]
+    unfinished = sorted(p.name for p in path.glob(f"step_*{TMP_SUFFIX}")) if path.is_dir() else []
+    detail = (
+        f"; it holds only unfinished saves ({', '.join(unfinished)}), which are never resumed from"
+        if unfinished
+        else ""
+    )
+    raise UserError(
+        f"{what} = '{path}' holds no complete DCP checkpoint{detail}. A complete checkpoint is a step_NNNNNNNN "
+        f"directory with {METADATA_FILE} and {TRAINER_STATE_FILE}. Point it at the training.save directory of a run "
+        f"that finished a save, or at one of its step_NNNNNNNN directories."
+    )
+
+
+def is_weights_only(path: Path) -> bool:
+    """A DCP checkpoint of model weights alone (as `tools.convert hf-to-dcp` writes): metadata, no trainer state."""
+    return (
+        not path.name.endswith(TMP_SUFFIX)
+        and (path / METADATA_FILE).is_file()
+        and not (path / TRAINER_STATE_FILE).is_file()
+    )
+
+
+@dataclass(frozen=True)
+class LoadSource:
+    """What training.load resolves to: format 'hf' (a model directory), 'dcp' (one complete checkpoint: resume)
+    or 'dcp-weights' (a weights-only DCP checkpoint: a fast sharded start at step 0)."""
+
+    format: str
+    path: Path
+
+
+def resolve_load(training: TrainingConfig) -> LoadSource | None:
+    """training.load and load_format resolved on the file system alone (no collective); None: nothing to load."""
+    if training.load is None:
+        return None
+    path = Path(training.load).expanduser()
+    if not path.exists():
+        raise UserError(
+            f"Config key 'training.load' = '{training.load}' does not exist. Point it at a Hugging Face model "
+            f"directory, a DCP save directory (an earlier run's training.save) or one of its step_NNNNNNNN "
+            f"checkpoints, or set training.load=null to initialise from scratch."
+        )
+    fmt = detect_format(path) if training.load_format == "auto" else training.load_format
+    if fmt == "hf":
+        return LoadSource("hf", path)
+    if is_weights_only(path):
+        return LoadSource("dcp-weights", path)
+    return LoadSource("dcp", find_checkpoint(path))
+
+
+def check_save_targets(training: TrainingConfig) -> None:
+    """Fail before any collective when training.save or training.save_hf cannot become a directory."""
+    for key in ("save", "save_hf"):
+        value = getattr(training, key)
+        if value is None:
+            continue
+        path = Path(value).expanduser().absolute()
+        if path.exists() and not path.is_dir():
+            raise UserError(
+                f"Config key 'training.{key}' = '{value}' is an existing file, not a directory. Choose a directory "
+                f"path (it is created when missing) or move the file away."
+            )
+        existing = next(parent for parent in (path, *path.parents) if parent.exists())
+        try:  # a real probe, as for training.output_dir: permission bits say little to root or on network storage
+            os.rmdir(tempfile.mkdtemp(prefix=".glm45v_probe_", dir=existing))
+        except OSError as error:
+            raise UserError(
+                f"Config key 'training.{key}' = '{value}' cannot be created: '{existing}' is not a writable "
+                f"directory ({error.strerror}). Choose a writable path for training.{key}."
+            ) from None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Load
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+    """FQN -> global shape of the model tensors in the checkpoint, from its metadata alone."""
+    metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    prefix = f"{MODEL_KEY}."
+    return {
+        key[len(prefix) :]: tuple(item.size)
+        for key, item in metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+
+
+def load_checkpoint(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint: Path, strict: bool
+) -> KeyDiff:
+    """Load the model (and the optimizer, unless None) from a DCP checkpoint, resharded to this run's layout.
+
+    The model's keys and global shapes are checked against the checkpoint's metadata first: strict stops on any
+    difference, naming the first 20; otherwise matching tensors load and the rest keep their values. Returns the
+    difference (for the log).
+    """
+    model_state = get_model_state_dict(model)
+    expected = {key: tuple(value.shape) for key, value in model_state.items()}
+    found = _checkpoint_shapes(checkpoint)
+    diff = compare_keys(expected, found)
+    if strict and not diff.ok:
+        raise UserError(
+            f"Config key 'training.load' = '{checkpoint}' does not fit the model: {describe_diff(diff)} Nothing was "
+            f"loaded. Resume with the model settings the checkpoint was saved with (model.preset / "
+            f"model.name_or_path / model.config_overrides), or set training.load_strict=false to load only the "
+            f"matching tensors."
+        )
+    skipped = {key for key, shape in expected.items() if found.get(key, shape) != shape}
+    state: dict[str, Any] = {MODEL_KEY: {k: v for k, v in model_state.items() if k not in skipped}}
+    if optimizer is not None:
+        optim_state = get_optimizer_state_dict(model, optimizer)  # creates the (zero) state DCP loads into
+        state[OPTIM_KEY] = {**optim_state, "state": {k: v for k, v in optim_state["state"].items() if k not in skipped}}
+    try:
+        dcp.load(state, checkpoint_id=checkpoint, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    except CheckpointException as error:
+        cause = next(iter(error.failures.values()))[0]
+        raise UserError(
+            f"Config key 'training.load' = '{checkpoint}' could not be loaded: {cause}. The optimizer state must "
+            f"cover the same trainable parameters (model.freeze); set training.no_load_optim=true to start the "
+            f"optimizer afresh, or training.load_strict=false to load what fits."
+        ) from None
+    options = StateDictOptions(strict=strict)
+    set_model_state_dict(model, state[MODEL_KEY], options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY], options=options)
+    return diff
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Save
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    future: Future
+    started: float
+
+
+class Checkpointer:
+    """Writes a run's checkpoints into training.save: cadence, atomic publish, keep-last pruning, background writes.
+
+    Every rank calls `save` at the same steps (it holds collectives); only rank 0 renames, prunes and writes
+    `latest`. With async_save the tensors are staged to host memory in the call and written by a background thread
+    over a gloo group of its own (its collectives must never interleave with the training's); the previous save is
+    waited for before the next one starts and at the end (`wait`), and rank 0 publishes it as soon as it is done.
+    """
+
+    def __init__(self, training: TrainingConfig, rank: int) -> None:
+        assert training.save is not None
+        self.save_dir = Path(training.save).expanduser()
+        self.interval = training.save_interval
+        self.keep_last = training.save_keep_last
+        self.final_step = training.train_iters
+        self.async_save = training.async_save
+        self.rank = rank
+        self.group = dist.new_group(backend="gloo") if training.async_save else None
+        self.last_step: int | None = None  # the step whose state is on disk (set by a save or a resume)
+        self.blocked_s = 0.0
+        self._pending: _Pending | None = None
+        self.log = get_logger()
+
+    def due(self, step: int) -> bool:
+        """Every save_interval steps (0: never in between) and at the last step."""
+        if step == self.last_step:
+            return False
+        return step == self.final_step or (self.interval > 0 and step % self.interval == 0)
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict[str, Any],
+        rng_state: dict[str, Any],
+    ) -> float:
+        """Write checkpoint `step` (collective); returns the seconds the caller was blocked."""
+        start = time.perf_counter()
+        self.wait()
+        tmp = self.save_dir / f"{checkpoint_name(step)}{TMP_SUFFIX}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # an interrupted earlier attempt at this step
+            (tmp / RNG_DIR).mkdir(parents=True)
+            torch.save(trainer_state, tmp / TRAINER_STATE_FILE)
+        dist.barrier()
+        torch.save(rng_state, rng_file(tmp, self.rank))
+        state = {MODEL_KEY: get_model_state_dict(model), OPTIM_KEY: get_optimizer_state_dict(model, optimizer)}
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+            self._pending = _Pending(step, tmp, future, start)
+        else:
+            # DCP's final step is the barrier: rank 0 writes .metadata only after every rank reported its files.
+            dcp.save(state, checkpoint_id=tmp)
+            self._publish(step, tmp, start)
+        blocked = time.perf_counter() - start
+        self.blocked_s += blocked
+        self.last_step = step
+        if self.async_save:
+            self.log.info(
+                "checkpoint step %d: staged, writing in the background; step loop blocked %.3f s", step, blocked
+            )
+        return blocked
+
+    def poll(self) -> None:
+        """Publish a finished background save; never blocks."""
+        if self._pending is not None and self._pending.future.done():
+            self._complete()
+
+    def wait(self) -> float:
+        """Wait for the background save in flight, if any, and publish it; returns the seconds waited."""
+        start = time.perf_counter()
+        if self._pending is not None:
+            self._complete()
+        return time.perf_counter() - start
+
+    def _complete(self) -> None:
+        pending, self._pending = self._pending, None
+        pending.future.result()  # rank 0's future ends after every rank's files are written (DCP's finish step)
+        self._publish(pending.step, pending.tmp, pending.started)
+
+    def _publish(self, step: int, tmp: Path, started: float) -> None:
+        """Rank 0: rename `step_N.tmp` to `step_N`, then point `latest` at it and prune."""
+        if self.rank != 0:
+            return
+        final = self.save_dir / checkpoint_name(step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        latest_tmp = self.save_dir / f"{LATEST_FILE}{TMP_SUFFIX}"
+        latest_tmp.write_text(final.name + "\n")
+        os.replace(latest_tmp, self.save_dir / LATEST_FILE)
+        removed = self._prune(final)
+        self.log.info(
+            "checkpoint saved: %s (%.2f s%s)%s",
+            final,
+            time.perf_counter() - started,
+            ", background write" if self.async_save else "",
+            f"; removed {', '.join(removed)}" if removed else "",
+        )
+
+    def _prune(self, newest: Path) -> list[str]:
+        """Remove stale `.tmp` directories and, with save_keep_last=K, all but the newest K checkpoints."""
+        doomed = [path for path in self.save_dir.glob(f"step_*{TMP_SUFFIX}") if path.is_dir()]
+        if self.keep_last:
+            older = [path for path in complete_checkpoints(self.save_dir) if path != newest]
+            doomed += older[: max(0, len(older) - (self.keep_last - 1))]
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+        return sorted(path.name for path in doomed)

@@ -1,0 +1,140 @@
+"""Export the training model as a Hugging Face directory that `Glm4vMoeForConditionalGeneration.from_pretrained` loads.
+
+Collective: every rank gathers one tensor at a time (`DTensor.full_tensor()`); rank 0 converts it to the Hub's
+per-expert layout and writes shards of at most `max_shard_bytes` as they fill, so it holds one full tensor plus one
+shard. Everything goes into a hidden sibling directory that is renamed to the target at the end: the target is
+never half-written, and an existing one is replaced only once the new export is complete.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from glm45v_fsdp.checkpoint.hf import INDEX_FILE
+from glm45v_fsdp.checkpoint.layout import checkpoint_pieces, model_tensors, model_to_hub_tensors
+from glm45v_fsdp.errors import UserError
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _keeps_fp32(model: nn.Module) -> re.Pattern | None:
+    """Tensors transformers keeps in fp32 whatever the dtype (the router's weight and score-correction bias)."""
+    modules = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    return re.compile("|".join(re.escape(m) for m in modules)) if modules else None
+
+
+def _shard_plan(tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], limit: int) -> list[list[str]]:
+    """Hub keys, in write order, grouped into shards of at most `limit` bytes (a bigger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        itemsize = dtypes[name].itemsize
+        for piece in checkpoint_pieces(name, tuple(tensor.shape), "per-expert"):
+            nbytes = itemsize * int(torch.Size(piece.shape).numel())
+            if shards[-1] and size + nbytes > limit:
+                shards.append([])
+                size = 0
+            shards[-1].append(piece.key)
+            size += nbytes
+    return shards
+
+
+def _prepare(out: Path) -> Path:
+    """Rank 0: an empty hidden sibling directory; the error (if any) reaches every rank before any collective."""
+    tmp = out.parent / f".{out.name}.tmp"
+    error = None
+    if _is_main():
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # left over from an interrupted export
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            error = (
+                f"The HF export directory '{out}' (training.save_hf, or the convert tool's OUT) cannot be written: "
+                f"creating '{tmp}' failed with {exc}. Choose a path in a writable directory."
+            )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise UserError(error)
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished export into place, replacing an existing directory only after the new one is complete."""
+    old = out.parent / f".{out.name}.old"
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@torch.no_grad()
+def export_hf(
+    model: nn.Module,
+    out_dir: str | Path,
+    hf_config,
+    tokenizer=None,
+    image_processor=None,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write `model` (sharded or not) to `out_dir` as per-expert safetensors shards + index + config.json.
+
+    A collective over all ranks of the model's meshes. `dtype` converts floating tensors (default: as trained), except
+    those transformers keeps in fp32. Tokenizer and image processor files are added via `save_pretrained` when given.
+    """
+    out = Path(out_dir).expanduser().absolute()
+    tensors, _ = model_tensors(model)
+    fp32 = _keeps_fp32(model)
+    dtypes = {
+        name: dtype if dtype is not None and t.is_floating_point() and not (fp32 and fp32.search(name)) else t.dtype
+        for name, t in tensors.items()
+    }
+    shards = _shard_plan(tensors, dtypes, max_shard_bytes)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    shard_of = {key: i for i, keys in enumerate(shards) for key in keys}
+    tmp = _prepare(out)
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+    total = 0
+    for name, tensor in tensors.items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        if not _is_main():
+            continue
+        full = full.to("cpu", dtypes[name])
+        for key, value in model_to_hub_tensors(name, full):
+            index = shard_of[key]
+            pending.setdefault(index, {})[key] = value.contiguous()
+            total += value.nbytes
+            if len(pending[index]) == len(shards[index]):
+                save_file(pending.pop(index), tmp / names[index], metadata={"format": "pt"})
+    if _is_main():
+        assert not pending, sorted(pending)
+        index = {"metadata": {"total_size": total}, "weight_map": {key: names[shard_of[key]] for key in shard_of}}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        config = copy.deepcopy(hf_config)
+        config.architectures = ["Glm4vMoeForConditionalGeneration"]
+        written = dtype or next(model.parameters()).dtype
+        for sub in (config, *(getattr(config, key) for key in config.sub_configs)):
+            sub.dtype = written
+        config.save_pretrained(tmp)
+        for extra in (tokenizer, image_processor):
+            if extra is not None:
+                extra.save_pretrained(tmp)
+        _publish(tmp, out)
+    if dist.is_initialized():
+        dist.barrier()

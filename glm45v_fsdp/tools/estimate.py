@@ -1,0 +1,252 @@
+"""Per-rank memory arithmetic for a model built on the meta device: exact state bytes, estimated activations.
+
+Exact (what FSDP2 and AdamW allocate):
+  - FSDP2 shards every parameter along dim 0 over the FSDP mesh (dp_shard x cp ranks; HSDP replicates over
+    dp_replicate): with c = ceil(d0 / n), shard index i holds rows [i*c, min((i+1)*c, d0)), so the last indices can
+    hold fewer rows, or none. The sharded parameter and the reduce-scattered gradient live in storage padded to c rows
+    on every index; `padding` is that storage beyond the rows.
+  - master parameters in their own dtype (fp32), gradients (fp32) of trainable parameters only, AdamW exp_avg and
+    exp_avg_sq (like the parameter) plus a 4-byte `step` tensor per trainable parameter.
+  - without FSDP (a one-rank world, no CPU offload) every rank holds the whole model, unpadded.
+Estimated:
+  - transient unsharded copies of FSDP units (see `transient_bytes`) and saved activations (see ACTIVATION_FORMULA).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a 0-d float32 tensor per parameter
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as FSDP2 sees it: full shape, master dtype size, trainability and its FSDP unit ('' = root)."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    trainable: bool
+    unit: str
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+
+def owning_unit(name: str, units: list[str]) -> str:
+    """The innermost unit whose module contains parameter `name` (FSDP2 shards nested units first); '' = root."""
+    owners = [unit for unit in units if name.startswith(unit + ".")]
+    return max(owners, key=len, default="")
+
+
+def param_specs(model: nn.Module, units: list[str]) -> list[ParamSpec]:
+    """ParamSpec of every parameter of `model` (meta or real), with `units` the FSDP plan's matched module names."""
+    return [
+        ParamSpec(name, tuple(p.shape), p.element_size(), p.requires_grad, owning_unit(name, units))
+        for name, p in model.named_parameters()
+    ]
+
+
+def shard_rows(rows: int, shard_size: int, index: int) -> int:
+    """Rows of a dim-0 size `rows` that FSDP2 shard index `index` of `shard_size` holds (torch.chunk semantics)."""
+    chunk = -(-rows // shard_size)
+    return max(0, min((index + 1) * chunk, rows) - index * chunk)
+
+
+def padded_rows(rows: int, shard_size: int) -> int:
+    """Rows of the padded shard every index allocates: ceil(rows / shard_size)."""
+    return -(-rows // shard_size)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of one rank's persistent training state."""
+
+    params: int
+    grads: int
+    optimizer: int
+    padding: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.padding
+
+
+def state_bytes(specs: list[ParamSpec], shard_size: int, index: int, sharded: bool) -> StateBytes:
+    """Parameters, gradients, AdamW states and FSDP2 padding of shard index `index` (`sharded`: FSDP2 applied)."""
+    params = grads = optimizer = padding = 0
+    for spec in specs:
+        if not spec.shape:
+            raise ValueError(f"{spec.name}: FSDP2 cannot shard a 0-d parameter")
+        rows = shard_rows(spec.shape[0], shard_size, index) if sharded else spec.shape[0]
+        local = rows * spec.row_numel * spec.itemsize
+        pad = (padded_rows(spec.shape[0], shard_size) - rows) * spec.row_numel * spec.itemsize if sharded else 0
+        params += local
+        padding += pad
+        if spec.trainable:
+            grads += local
+            padding += pad
+            optimizer += 2 * local + ADAM_STEP_BYTES
+    return StateBytes(params, grads, optimizer, padding)
+
+
+def unit_bytes(specs: list[ParamSpec], shard_size: int, itemsize: int, trainable_only: bool = False) -> dict[str, int]:
+    """Unsharded (all-gathered, padded to shard_size x ceil(d0 / shard_size) rows) bytes per unit in `itemsize`."""
+    sizes: dict[str, int] = {}
+    for spec in specs:
+        if trainable_only and not spec.trainable:
+            continue
+        rows = padded_rows(spec.shape[0], shard_size) * shard_size
+        sizes[spec.unit] = sizes.get(spec.unit, 0) + rows * spec.row_numel * itemsize
+    return sizes
+
+
+@dataclass(frozen=True)
+class Transient:
+    """Unsharded copies that exist only during a step; `assumption` says which ones are counted."""
+
+    params: int
+    grads: int
+    assumption: str
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads
+
+
+def transient_bytes(
+    specs: list[ParamSpec],
+    shard_size: int,
+    sharded: bool,
+    compute_itemsize: int,
+    reduce_itemsize: int,
+    reshard_after_forward: bool,
+) -> Transient:
+    """Peak of the unsharded compute copies (param dtype) and the gradient buffers of a backward step.
+
+    FSDP2: the root unit's own parameters stay gathered for the whole step; of the other units, the one running and
+    the one prefetched (taken as the two largest) are gathered, or all of them when reshard_after_forward=False. In
+    backward the running unit's unsharded gradients (param dtype) are copied into a reduce-scatter buffer (reduce
+    dtype) of the same padded size. Without FSDP, bf16 autocast holds a bf16 copy of every weight from its first use
+    in forward until backward has used it.
+    """
+    if not sharded:
+        copies = sum(math.prod(s.shape) for s in specs) * compute_itemsize if compute_itemsize < FP32 else 0
+        return Transient(copies, 0, "no FSDP: autocast keeps a param-dtype copy of every weight through the step")
+    params = unit_bytes(specs, shard_size, compute_itemsize)
+    grads = unit_bytes(specs, shard_size, compute_itemsize + reduce_itemsize, trainable_only=True)
+    root = params.pop("", 0)
+    grads.pop("", None)
+    gathered = sorted(params.values(), reverse=True)
+    if reshard_after_forward:
+        gathered = gathered[:2]
+        what = "root unit + the two largest units gathered (running + prefetched)"
+    else:
+        what = "every unit stays gathered from its forward to its backward (reshard_after_forward=false)"
+    return Transient(
+        root + sum(gathered),
+        max(grads.values(), default=0),
+        f"{what}; largest unit's unsharded grads (param dtype) + reduce-scatter input (reduce dtype)",
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------------------------------
+
+ACTIVATION_FORMULA = """\
+Saved for backward, per micro batch of s = micro_batch_size x data.cutoff_len tokens (image tokens included) and
+P = image patches (M = P / merge^2 merged image tokens); b = bytes of param_dtype (2 for bf16), fp32 terms 4 bytes:
+  RMSNorm               s x (4h + 4 + b h)        fp32 input copy, rsqrt, normalised input of the weight multiply
+  attention             s x (b (h + 3 a d + 2 g d) + 4 a)
+                          input, rotated q, k (g kv heads), v, attention output and its contiguous copy (o_proj
+                          input), fp32 log-sum-exp per head: a fused kernel (flash / sdpa is_causal) without an
+                          s x s mask or repeated kv heads
+  dense MLP             s x b (h + 4 I)           input, gate, up, act(gate), act(gate) x up
+  MoE                   s x (4h + 9E + 12k + 28 + b (h + 4 I_s)) + s k x (b (2h + 4 I_e) + 28)
+                          router: fp32 input copy, logits/scores (E), top-k ids and weights; shared expert (I_s);
+                          per (token, expert) pair: gathered input, gate_up, act, product, expert output, ids
+  decoder layer         2 RMSNorm + attention + (dense MLP | MoE)
+  text other            s x (8 + 2 b r + (4h + 4 + b h) + b h + 8)   ids, rotary cos/sin (r = rotary dim), final
+                          norm, lm_head input, labels
+  vision tower          P x (b 1176' + 2 (4v + 4 + b v) + 8 + 8 d_v + b v)
+                          + depth x P x (2 (4v + 4 + b v) + b 8v + 4 a_v + b (v + 4 o))
+                          + M x (b (4o + 4 I_v) + 2b) + fp32 position table
+                          (1176' = channels x temporal patch x patch^2; o = out_hidden_size: the block MLP width
+                          and the merger width; I_v = intermediate_size: the merger's gate/up width)
+  loss peak             3 x s x V x 4             log-probs [s, V] fp32 saved by cross-entropy + their gradient +
+                          the logits' gradient, all live at the start of backward (no chunked loss yet)
+Total = all decoder layers + vision tower + text other + loss peak. Not counted: the workspace of one layer's
+backward (about its own saved activations, which are freed as it runs), temporaries inside forward, allocator
+fragmentation."""
+
+
+@dataclass(frozen=True)
+class Activations:
+    tokens: int
+    image_patches: int
+    dense_layer: int
+    moe_layer: int
+    decoder_layers: int
+    vision: int
+    text_other: int
+    loss_peak: int
+
+    @property
+    def total(self) -> int:
+        return self.decoder_layers + self.vision + self.text_other + self.loss_peak
+
+
+def _norm(tokens: int, width: int, b: int) -> int:
+    return tokens * (4 * width + 4 + b * width)
+
+
+def activation_bytes(hf_config, tokens: int, image_patches: int, compute_itemsize: int) -> Activations:
+    """ACTIVATION_FORMULA for a Glm4vMoeConfig, `tokens` per micro batch and `image_patches` in it."""
+    t, v = hf_config.text_config, hf_config.vision_config
+    b, s = compute_itemsize, tokens
+    h, a, g = t.hidden_size, t.num_attention_heads, t.num_key_value_heads
+    d = getattr(t, "head_dim", h // a)
+    fp32_copy = 4 * h if b < FP32 else 0  # `.to(float32)` of an fp32 tensor is the tensor itself
+    attention = s * (b * (h + 3 * a * d + 2 * g * d) + 4 * a)
+    dense_mlp = s * b * (h + 4 * t.intermediate_size)
+    experts, k = t.n_routed_experts, t.num_experts_per_tok
+    router = fp32_copy + 9 * experts + 16 * t.n_group + 8 * t.topk_group + 12 * k + 4
+    shared = b * (h + 4 * t.moe_intermediate_size * t.n_shared_experts)
+    routed = b * (2 * h + 4 * t.moe_intermediate_size) + 28
+    moe = s * (router + shared) + s * k * routed + 4 * experts
+    norms = 2 * _norm(s, h, b)
+    dense_layer, moe_layer = norms + attention + dense_mlp, norms + attention + moe
+    n_dense = min(t.first_k_dense_replace, t.num_hidden_layers)
+    rotary = int(d * t.rope_parameters.get("partial_rotary_factor", 1.0))
+    text_other = s * (8 + 2 * b * rotary + b * h + 8) + _norm(s, h, b)
+    loss_peak = 3 * s * t.vocab_size * FP32
+
+    p, hv, out = image_patches, v.hidden_size, v.out_hidden_size
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    merged = p // v.spatial_merge_size**2
+    block = 2 * _norm(p, hv, b) + p * (b * 8 * hv + 4 * v.num_heads) + p * b * (hv + 4 * out)
+    position_table = (v.image_size // v.patch_size) ** 2 * hv * FP32
+    vision = (
+        p * b * patch_dim
+        + 2 * _norm(p, hv, b)
+        + p * (8 + 2 * FP32 * (hv // v.num_heads) + b * hv)
+        + v.depth * block
+        + merged * (b * (4 * out + 4 * v.intermediate_size) + 2 * b)
+        + (position_table if p else 0)
+    )
+    return Activations(
+        tokens=s,
+        image_patches=p,
+        dense_layer=dense_layer,
+        moe_layer=moe_layer,
+        decoder_layers=n_dense * dense_layer + (t.num_hidden_layers - n_dense) * moe_layer,
+        vision=vision,
+        text_other=text_other,
+        loss_peak=loss_peak,
+    )

@@ -1,0 +1,338 @@
+"""Check a run before it starts, with no accelerator and no process group.
+
+`python -m glm45v_fsdp.tools.preflight --config C [--world-size N] [--device-memory-gib G] [--json] [key=value ...]`
+
+Loads the config, validates the layout for N ranks, builds the model on the meta device, applies every plan's
+patterns in build order and prints each pattern's match count. A pattern that matches nothing, a missing required
+FSDP unit or an impossible layout is an error (exit 2, each problem named). With --world-size it also prints each
+rank's memory: exact bytes of parameters, gradients and AdamW states under FSDP2 sharding, and estimates of the
+transient unsharded copies and the activations (glm45v_fsdp.tools.estimate; docs/tools.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+
+from PIL import Image
+from torch import nn
+
+from glm45v_fsdp.config import Config, load_config
+from glm45v_fsdp.data import load_image_processor
+from glm45v_fsdp.data.processor import process_images
+from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, build_meta_model, describe_model, load_hf_config
+from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp
+from glm45v_fsdp.parallel.plan import PlanMatch
+from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims
+from glm45v_fsdp.tools.estimate import (
+    ACTIVATION_FORMULA,
+    activation_bytes,
+    param_specs,
+    state_bytes,
+    transient_bytes,
+)
+
+EXIT_USER_ERROR = 2
+GIB = 1 << 30
+
+
+class _PlanOnlyMesh:
+    """Stands in for the FSDP mesh: on a one-rank mesh apply_fsdp matches and checks the plan but shards nothing."""
+
+    def size(self) -> int:
+        return 1
+
+
+def _freeze_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
+    return apply_freeze(model, config.model.freeze) if config.model.freeze else []
+
+
+def _fsdp_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
+    plan = dataclasses.replace(config.parallel.fsdp_plan, cpu_offload=False)
+    return apply_fsdp(model, plan, _PlanOnlyMesh(), pin_memory=False, required_units=REQUIRED_FSDP_UNITS)
+
+
+# (plan, config key, check) in the order builders.build_model applies them; each later plan adds one line here.
+PLANS: tuple[tuple[str, str, Callable[[nn.Module, Config], list[PlanMatch]]], ...] = (
+    ("freeze", "model.freeze", _freeze_plan),
+    ("fsdp", "parallel.fsdp_plan.apply_modules", _fsdp_plan),
+)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m glm45v_fsdp.tools.preflight",
+        description="Check config, layout and plans on the meta device; with --world-size, per-rank memory.",
+    )
+    parser.add_argument("--config", default=None, help="YAML config (default: configs/glm45v_tiny.yaml)")
+    parser.add_argument("--world-size", type=int, default=None, help="ranks of the run: validates the layout")
+    parser.add_argument("--device-memory-gib", type=float, default=64.0, help="memory of one accelerator (64)")
+    parser.add_argument(
+        "--images-per-sample",
+        type=int,
+        default=None,
+        help="images per sample for the activation estimate (default: synthetic data's setting, else 1)",
+    )
+    parser.add_argument(
+        "--image-size",
+        type=int,
+        default=None,
+        help="square image side in pixels (default: synthetic data's setting, else the vision config's image_size)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides applied after the YAML file")
+    args = parser.parse_args(argv)
+    for flag in ("world_size", "images_per_sample", "image_size"):
+        value = getattr(args, flag)
+        if value is not None and value < (0 if flag == "images_per_sample" else 1):
+            raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a positive integer.")
+    if args.device_memory_gib <= 0:
+        raise UserError(f"--device-memory-gib = {args.device_memory_gib} is invalid: pass a positive number.")
+    return args
+
+
+def check_plans(model: nn.Module, config: Config) -> tuple[dict[str, list[PlanMatch]], list[str]]:
+    """Apply every plan in order, on to the end; returns ({plan: matches} of the plans that passed, [errors])."""
+    matched, errors = {}, []
+    for name, _, check in PLANS:
+        try:
+            matched[name] = check(model, config)
+        except UserError as error:
+            errors.append(f"[plan {name}] {error}")
+    return matched, errors
+
+
+def image_patches(config: Config, hf_config, images_per_sample: int | None, image_size: int | None) -> tuple[int, str]:
+    """Patches per micro batch for the activation estimate, and how they were derived.
+
+    Defaults: the synthetic data's images; for JSON data one image per sample of the vision config's image_size.
+    """
+    data, vision = config.data, hf_config.vision_config
+    synthetic = data.dataset == "synthetic"
+    images = images_per_sample
+    if images is None:
+        images = data.synthetic_images_per_sample if synthetic else 1
+    size = image_size or (data.synthetic_image_size if synthetic else vision.image_size)
+    if images == 0:
+        return 0, "no images"
+    processor = load_image_processor(config.model.name_or_path, vision)
+    _, grid = process_images(processor, [Image.new("RGB", (size, size))])
+    patches = int(grid.prod())
+    tokens = patches // vision.spatial_merge_size**2
+    kept = min(images, config.data.cutoff_len // (tokens + 2))  # an image block never gets cut: it is dropped
+    text = (
+        f"{kept} image(s) of {size}x{size} px per sample -> {patches} patches ({tokens} tokens) each, "
+        f"x micro_batch_size {config.training.micro_batch_size}"
+    )
+    return kept * patches * config.training.micro_batch_size, text
+
+
+def memory_report(
+    model: nn.Module,
+    hf_config,
+    config: Config,
+    dims: ParallelDims,
+    fsdp_units: list[str],
+    device_memory_gib: float = 64.0,
+    images_per_sample: int | None = None,
+    image_size: int | None = None,
+) -> dict:
+    """Per-rank memory (bytes) of `dims.world_size` ranks, min/max over ranks and the assumptions behind it.
+
+    `model` is the meta model after every plan but FSDP (freeze decides what is trainable); `fsdp_units` are the
+    module names the FSDP plan matched.
+    """
+    plan = config.parallel.fsdp_plan
+    sharded = dims.world_size > 1 or plan.cpu_offload
+    shard_size = dims.fsdp_size if sharded else 1
+    offloaded = sharded and plan.cpu_offload
+    specs = param_specs(model, fsdp_units)
+    compute, reduce = DTYPES[plan.param_dtype].itemsize, DTYPES[plan.reduce_dtype].itemsize
+    transient = transient_bytes(specs, shard_size, sharded, compute, reduce, plan.reshard_after_forward)
+    patches, image_text = image_patches(config, hf_config, images_per_sample, image_size)
+    tokens = config.training.micro_batch_size * config.data.cutoff_len
+    acts = activation_bytes(hf_config, tokens, patches, compute)
+    per_index = [state_bytes(specs, shard_size, index, sharded) for index in range(shard_size)]
+    ranks = []
+    for rank in range(dims.world_size):
+        state = per_index[rank % shard_size]  # rank = replica x fsdp_size + index on the FSDP mesh
+        host = state.total if offloaded else 0
+        ranks.append(
+            {
+                "rank": rank,
+                "params": state.params,
+                "grads": state.grads,
+                "optimizer": state.optimizer,
+                "padding": state.padding,
+                "transient": transient.total,
+                "activations": acts.total,
+                "host": host,
+                "total": state.total - host + transient.total + acts.total,
+            }
+        )
+    keys = [k for k in ranks[0] if k != "rank"]
+    limit = int(device_memory_gib * GIB)
+    worst = max(r["total"] for r in ranks)
+    return {
+        "fsdp_applied": sharded,
+        "shard_size": shard_size,
+        "fsdp_units": len(fsdp_units) + 1,
+        "cpu_offload": offloaded,
+        "per_rank": ranks,
+        "min": {k: min(r[k] for r in ranks) for k in keys},
+        "max": {k: max(r[k] for r in ranks) for k in keys},
+        "activations": dataclasses.asdict(acts) | {"total": acts.total},
+        "transient": {"params": transient.params, "grads": transient.grads, "assumption": transient.assumption},
+        "device_memory_bytes": limit,
+        "fits": worst <= limit,
+        "assumptions": [
+            f"tokens per micro batch s = micro_batch_size {config.training.micro_batch_size} x data.cutoff_len "
+            f"{config.data.cutoff_len} = {tokens}",
+            f"images: {image_text} = {patches} patches per micro batch",
+            f"transient: {transient.assumption}",
+            f"compute dtype {plan.param_dtype} (activations), reduce dtype {plan.reduce_dtype}",
+        ],
+        "formula": ACTIVATION_FORMULA,
+    }
+
+
+def build_report(args: argparse.Namespace) -> dict:
+    """Everything preflight checks and computes, as one JSON-able dict; `errors` lists every problem found."""
+    started = time.perf_counter()
+    config = load_config(args.config, args.overrides)
+    errors: list[str] = []
+    dims = None
+    if args.world_size is not None:
+        try:
+            dims = build_parallel_dims(config.parallel, args.world_size)
+        except UserError as error:
+            errors.append(f"[layout] {error}")
+    hf_config = load_hf_config(config.model)
+    model = build_meta_model(hf_config)
+    matched, plan_errors = check_plans(model, config)
+    errors += plan_errors
+    plans = [
+        {
+            "plan": name,
+            "key": key,
+            "patterns": {m.pattern: len(m.names) for m in matched[name]} if name in matched else None,
+        }
+        for name, key, _ in PLANS
+    ]
+    report = {
+        "config": args.config,
+        "world_size": args.world_size,
+        "layout": dataclasses.asdict(dims) | {"cp": dims.cp, "fsdp_size": dims.fsdp_size} if dims else None,
+        "model": describe_model(model, hf_config),
+        "plans": plans,
+        "errors": errors,
+        "memory": None,
+    }
+    if dims is not None and "fsdp" in matched:
+        units = sorted({name for match in matched["fsdp"] for name in match.names})
+        report["memory"] = memory_report(
+            model, hf_config, config, dims, units, args.device_memory_gib, args.images_per_sample, args.image_size
+        )
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    return report
+
+
+def _scale(largest: int) -> tuple[str, int]:
+    """GiB, or MiB when every figure is below 1 GiB (the tiny model)."""
+    return ("GiB (2^30 bytes)", GIB) if largest >= GIB else ("MiB (2^20 bytes)", 1 << 20)
+
+
+ROWS = (
+    ("params", "parameters (fp32 master shards)"),
+    ("grads", "gradients (fp32, trainable only)"),
+    ("optimizer", "AdamW exp_avg + exp_avg_sq + step"),
+    ("padding", "FSDP2 padding (param + grad storage)"),
+    ("transient", "unsharded units + grad buffers (transient)"),
+    ("activations", "activations (estimate, see formula)"),
+)
+
+
+def format_report(report: dict) -> str:
+    lines = [f"preflight: {report['config'] or 'configs/glm45v_tiny.yaml (default)'}", report["model"]]
+    layout = report["layout"]
+    if report["world_size"] is not None and layout is None:
+        lines.append(f"layout: FAILED for world size {report['world_size']}: see the error")
+    if layout:
+        lines.append(
+            f"layout: world {layout['world_size']} = dp_replicate {layout['dp_replicate']} x dp_shard "
+            f"{layout['dp_shard']} x cp {layout['cp']}; FSDP mesh {layout['fsdp_size']} ranks, ep {layout['ep']}"
+        )
+    lines.append("plans (matched on the meta device, in build order):")
+    for plan in report["plans"]:
+        if plan["patterns"] is None:
+            lines.append(f"  [plan {plan['plan']}] FAILED ({plan['key']}): see the error")
+        elif not plan["patterns"]:
+            lines.append(f"  [plan {plan['plan']}] not set ({plan['key']} is empty)")
+        else:
+            lines.append(f"  [plan {plan['plan']}] {len(plan['patterns'])} pattern(s) ({plan['key']})")
+            lines += [f"    {pattern}: {count} module(s)" for pattern, count in plan["patterns"].items()]
+    memory = report["memory"]
+    if memory:
+        lines += _format_memory(memory, report)
+    elif report["world_size"] is None:
+        lines.append("per-rank memory: pass --world-size N")
+    lines.append(f"preflight took {report['seconds']} s")
+    return "\n".join(lines)
+
+
+def _format_memory(memory: dict, report: dict) -> list[str]:
+    rank0 = memory["per_rank"][0]
+    unit, scale = _scale(memory["max"]["total"])
+    if memory["fsdp_applied"]:
+        how = f"FSDP2 over {memory['shard_size']} shard(s), {memory['fsdp_units']} FSDP units (root included)"
+    else:
+        how = "FSDP plan matched but not applied (one rank: nothing to shard)"
+    lines = [
+        "",
+        f"memory per rank, {unit}; world {report['world_size']}, {how}:",
+        f"  {'':44}{'min':>10}{'max':>10}{'rank 0':>10}",
+    ]
+    for key, label in (*ROWS, ("total", "total on the device")):
+        values = memory["min"][key], memory["max"][key], rank0[key]
+        lines.append(f"  {label:44}" + "".join(f"{v / scale:10.2f}" for v in values))
+    if memory["cpu_offload"]:
+        values = memory["min"]["host"], memory["max"]["host"], rank0["host"]
+        lines.append(
+            f"  {'rows 1-4 live on the host (cpu_offload)':44}" + "".join(f"{v / scale:10.2f}" for v in values)
+        )
+    acts = {key: value / scale for key, value in memory["activations"].items()}
+    lines.append(
+        f"  activations: decoder layers {acts['decoder_layers']:.2f} (dense layer {acts['dense_layer']:.3f}, MoE "
+        f"layer {acts['moe_layer']:.3f}), vision {acts['vision']:.2f}, text other {acts['text_other']:.2f}, loss "
+        f"peak {acts['loss_peak']:.2f}"
+    )
+    verdict = "fits" if memory["fits"] else "does NOT fit"
+    lines.append(
+        f"  device memory {memory['device_memory_bytes'] / GIB:g} GiB: {verdict} "
+        f"(max over ranks {memory['max']['total'] / GIB:.2f} GiB)"
+    )
+    lines += ["assumptions:"] + [f"  - {a}" for a in memory["assumptions"]]
+    lines += ["activation formula:"] + [f"  {line}" for line in memory["formula"].splitlines()]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        report = build_report(args)
+    except UserError as error:
+        print(f"preflight: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    for error in report["errors"]:
+        print(f"preflight: error: {error}", file=sys.stderr)
+    return EXIT_USER_ERROR if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

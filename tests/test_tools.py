@@ -1,0 +1,311 @@
+"""Tools: preflight (plans, layout, per-rank memory), the estimator against a real 2-rank FSDP2 allocation and the
+saved activations of a real forward, the batch dumper and compare-batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+from transformers import Glm4vMoeForConditionalGeneration
+
+from glm45v_fsdp.config import ModelConfig, load_config
+from glm45v_fsdp.data import build_dataset, build_image_processor, build_tiny_tokenizer, collate
+from glm45v_fsdp.data.dump import MODEL_KEYS, BatchDumper, dump_path
+from glm45v_fsdp.model import build_meta_model, load_hf_config, materialize, model_loss_sum
+from glm45v_fsdp.tools import compare_batches, preflight
+from glm45v_fsdp.tools.estimate import activation_bytes, shard_rows
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_106B = str(REPO / "configs" / "glm45v_106b_sft.yaml")
+GIB = 1 << 30
+
+
+def run_preflight(capsys, *argv: str) -> tuple[int, str, str]:
+    code = preflight.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def preflight_json(capsys, *argv: str) -> dict:
+    code, out, err = run_preflight(capsys, "--json", *argv)
+    assert code == 0, err
+    return json.loads(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Preflight
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_shard_rows_follow_torch_chunk():
+    for rows in (1, 5, 7, 64, 509):
+        for n in (1, 2, 3, 4, 8):
+            chunks = torch.arange(rows).chunk(n)
+            assert [shard_rows(rows, n, i) for i in range(n)] == [len(c) for c in chunks] + [0] * (n - len(chunks))
+
+
+def test_preflight_tiny_on_one_and_four_ranks(capsys):
+    code, out, _ = run_preflight(capsys, "--world-size", "4")
+    assert code == 0
+    assert "[plan fsdp] 5 pattern(s)" in out and "model.language_model.layers.{*}: 4 module(s)" in out
+    assert "memory per rank" in out and "rank 0" in out and "activation formula:" in out
+
+    hf_config = load_hf_config(ModelConfig())
+    total_params = sum(p.numel() for p in build_meta_model(hf_config).parameters())
+    one = preflight_json(capsys, "--world-size", "1")["memory"]
+    assert not one["fsdp_applied"] and len(one["per_rank"]) == 1
+    rank = one["per_rank"][0]
+    # no sharding on one rank: the whole model, no padding; bf16 autocast copies of every weight
+    assert (rank["params"], rank["grads"], rank["padding"]) == (4 * total_params, 4 * total_params, 0)
+    assert rank["optimizer"] == 8 * total_params + 4 * len(list(build_meta_model(hf_config).parameters()))
+    assert rank["transient"] == 2 * total_params
+
+    four = preflight_json(capsys, "--world-size", "4")["memory"]
+    assert four["fsdp_applied"] and four["shard_size"] == 4
+    assert sum(r["params"] for r in four["per_rank"]) == 4 * total_params  # the shards partition the model
+    assert four["max"]["params"] < one["max"]["params"] / 3
+    tokens = 2 * 512  # micro_batch_size x cutoff_len of the tiny config
+    assert four["activations"]["loss_peak"] == 3 * tokens * hf_config.text_config.vocab_size * 4
+
+
+def test_preflight_106b_on_128_ranks(capsys):
+    started = time.perf_counter()
+    code, out, _ = run_preflight(capsys, "--config", CONFIG_106B, "--world-size", "128", "--device-memory-gib", "64")
+    assert time.perf_counter() - started < 60
+    assert code == 0
+    assert "model.language_model.layers.{*}: 46 module(s)" in out and "memory per rank, GiB" in out
+    assert "device memory 64 GiB:" in out
+    memory = preflight_json(capsys, "--config", CONFIG_106B, "--world-size", "128")["memory"]
+    n_params = 107.71e9
+    assert memory["max"]["params"] == pytest.approx(n_params * 4 / 128, rel=0.01)
+    assert memory["max"]["grads"] == memory["max"]["params"]
+    assert memory["max"]["optimizer"] == pytest.approx(2 * memory["max"]["params"], rel=0.01)
+    assert len(memory["per_rank"]) == 128
+    # transient: two gathered MoE layers (~2.34B params each) in bf16 + one layer's bf16 grads and fp32 buffer
+    assert memory["transient"]["params"] == pytest.approx(2 * 2.34e9 * 2, rel=0.02)
+    assert memory["activations"]["loss_peak"] == 3 * 8192 * 151552 * 4
+    frozen = preflight_json(capsys, "--config", CONFIG_106B, "--world-size", "128", "model.freeze=[model.visual]")
+    assert frozen["memory"]["max"]["grads"] < memory["max"]["grads"] - 0.8e9 * 4 / 128
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (
+            ["parallel.fsdp_plan.apply_modules=[model.visual, model.language_model.layerz.{*}]"],
+            ["parallel.fsdp_plan.apply_modules", "model.language_model.layerz.{*}"],
+        ),
+        (["model.freeze=[model.visual.blocks.{5-6}]"], ["model.freeze", "model.visual.blocks.{5-6}"]),
+        (["parallel.fsdp_plan.apply_modules=[model, lm_head]"], ["does not select ['model.visual']"]),
+        (["parallel.data_parallel_replicate_size=3"], ["parallel.data_parallel_replicate_size", "world size 4"]),
+    ],
+)
+def test_preflight_names_each_problem_and_exits_2(capsys, argv, names):
+    code, _, err = run_preflight(capsys, "--world-size", "4", *argv)
+    assert code == 2
+    assert "Traceback" not in err
+    for name in names:
+        assert name in err
+
+
+def test_preflight_reports_every_problem_at_once(capsys):
+    code, out, err = run_preflight(
+        capsys, "--world-size", "3", "parallel.data_parallel_replicate_size=2", "model.freeze=[model.nothing]"
+    )
+    assert code == 2
+    assert "[layout]" in err and "[plan freeze]" in err and "[plan fsdp]" not in err
+    assert "[plan fsdp] 5 pattern(s)" in out and "layout: FAILED" in out
+    code, _, err = run_preflight(capsys, "training.micro_batch_sise=2")
+    assert code == 2 and "training.micro_batch_size" in err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Estimator against a real FSDP2 allocation on 2 ranks
+# ---------------------------------------------------------------------------------------------------------------
+
+# vocab 509 shards unevenly (255 / 254 rows); a frozen vision block has no gradients and no optimizer states.
+EXACT_OVERRIDES = [
+    "model.config_overrides={text_config: {vocab_size: 509}}",
+    "model.freeze=[model.visual.blocks.{1}]",
+    "training.micro_batch_size=1",
+    "data.synthetic_samples=8",
+    "training.progress_bar=false",
+]
+
+
+def _storage_bytes(tensors) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _allocation_worker(rank: int, port: int, out_dir: str) -> None:
+    from glm45v_fsdp.builders import build_data, build_model, build_runtime
+    from glm45v_fsdp.optim import build_optimizer
+    from glm45v_fsdp.runtime import shutdown
+
+    torch.set_num_threads(1)
+    for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        os.environ.pop(name, None)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"
+    )
+    os.environ["MASTER_PORT"] = str(port)
+    config = load_config(None, EXACT_OVERRIDES)
+    runtime = build_runtime(config)
+    model, hf_config = build_model(config, runtime)
+    loader, _ = build_data(config, runtime, hf_config)
+    optimizer = build_optimizer(model, config.training, fused=False)
+    loss_sum, tokens = model(next(iter(loader)))
+    (loss_sum / tokens).backward()
+    optimizer.step()
+    params = [p for p in model.parameters()]
+    grads = [p.grad for p in params if p.grad is not None]
+    assert all(isinstance(p, DTensor) for p in params)
+    states = [t for state in optimizer.state.values() for t in state.values()]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in states]
+    result = {
+        "params": sum(p.to_local().nbytes for p in params),
+        "grads": sum(g.to_local().nbytes for g in grads),
+        "optimizer": sum(t.nbytes for t in local),
+        "storage": _storage_bytes([p.to_local() for p in params]) + _storage_bytes([g.to_local() for g in grads]),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    shutdown()
+
+
+def test_estimator_equals_a_real_two_rank_fsdp2_allocation(tmp_path, capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_allocation_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    estimate = preflight_json(capsys, "--world-size", "2", *EXACT_OVERRIDES)["memory"]["per_rank"]
+    real = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert real[0]["params"] != real[1]["params"]  # uneven shards: the ranks differ
+    for rank in range(2):
+        mine = estimate[rank]
+        assert mine["params"] == real[rank]["params"], rank
+        assert mine["grads"] == real[rank]["grads"], rank
+        assert mine["optimizer"] == real[rank]["optimizer"], rank
+        assert mine["params"] + mine["grads"] + mine["padding"] == real[rank]["storage"], rank
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activation formula against the tensors a real forward saves for backward
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _tiny_data(hf_config, **overrides):
+    config = load_config(None, [f"data.{k}={v}" for k, v in overrides.items()])
+    tokenizer = build_tiny_tokenizer()
+    dataset = build_dataset(config.data, hf_config, tokenizer, build_image_processor(hf_config.vision_config))
+    return dataset, tokenizer.pad_token_id
+
+
+def test_activation_formula_matches_saved_tensors_of_a_bf16_forward():
+    hf_config = load_hf_config(ModelConfig())
+    model = build_meta_model(hf_config)
+    materialize(model, torch.device("cpu"), 0)
+    model.to(torch.bfloat16)  # what FSDP2's param_dtype=bf16 computes with
+    dataset, pad = _tiny_data(hf_config, synthetic_text_tokens=300, synthetic_image_size=112)
+    batch = collate([dataset[0]], pad)
+    batch["pixel_values"] = batch["pixel_values"].bfloat16()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weights |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model_loss_sum(model, batch)
+    estimate = activation_bytes(hf_config, batch["input_ids"].numel(), len(batch["pixel_values"]), 2)
+    saved_estimate = estimate.total - estimate.loss_peak * 2 // 3  # forward keeps the log-probs, not their grads
+    assert sum(saved.values()) == pytest.approx(saved_estimate, rel=0.01)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batch dump and compare-batches
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_dump_writes_forward_inputs_that_transformers_takes(tmp_path):
+    hf_config = load_hf_config(ModelConfig())
+    dataset, pad = _tiny_data(hf_config)
+    batches = [collate([dataset[0], dataset[1]], pad), collate([dataset[2], dataset[3]], pad, packing=True)]
+    batches.append(collate([dataset[4]], pad))
+    stale = dump_path(tmp_path, 0, 7)
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old run")
+    dumper = BatchDumper(tmp_path, rank=0, count=2)
+    for batch in batches:
+        dumper.dump(batch)
+    files = sorted(p.name for p in (tmp_path / "batches").iterdir())
+    assert files == ["rank0_micro0.pt", "rank0_micro1.pt"]  # the stale file and the third batch are not there
+
+    padded, packed = (torch.load(dump_path(tmp_path, 0, k), weights_only=True) for k in range(2))
+    assert set(padded) == set(MODEL_KEYS)
+    assert set(packed) == set(MODEL_KEYS) - {"attention_mask"} and packed["position_ids"].shape[0] == 4
+    assert torch.equal(padded["input_ids"], batches[0]["input_ids"])
+
+    model = build_meta_model(hf_config)
+    materialize(model, torch.device("cpu"), 0)
+    reference = Glm4vMoeForConditionalGeneration(hf_config)
+    reference.load_state_dict(model.state_dict(), strict=True)
+    for dumped, batch in ((padded, batches[0]), (packed, batches[1])):
+        loss = reference(**dumped, use_cache=False).loss
+        loss_sum, tokens = model_loss_sum(model, batch)
+        torch.testing.assert_close(loss, loss_sum / tokens)
+
+    with pytest.raises(KeyError, match="new_key"):
+        BatchDumper(tmp_path / "other", 0, 1).dump({**batches[0], "new_key": torch.zeros(1)})
+
+
+def test_compare_batches_reports_the_first_differing_token(tmp_path, capsys):
+    hf_config = load_hf_config(ModelConfig())
+    dataset, pad = _tiny_data(hf_config)
+    dumper = BatchDumper(tmp_path / "a", rank=0, count=3)
+    for k in range(3):
+        dumper.dump(collate([dataset[2 * k], dataset[2 * k + 1]], pad))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert compare_batches.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "result: all equal" in capsys.readouterr().out
+
+    changed = dump_path(tmp_path / "b", 0, 1)
+    batch = torch.load(changed, weights_only=True)
+    batch["input_ids"][1, 17] += 1
+    torch.save(batch, changed)
+    dump_path(tmp_path / "b", 0, 2).unlink()
+    assert compare_batches.main([str(tmp_path / "a"), str(tmp_path / "b" / "batches")]) == 1
+    out = capsys.readouterr().out
+    assert "rank0_micro1.pt: DIFFERENT" in out and "input_ids: first difference at sample 1, token 17" in out
+    assert "rank0_micro2.pt: only in A" in out and "labels: equal" in out
+
+    a_file, b_file = dump_path(tmp_path / "a", 0, 1), changed
+    assert compare_batches.main([str(a_file), str(b_file), "--json"]) == 1
+    (entry,) = json.loads(capsys.readouterr().out)["files"]
+    (ids,) = [k for k in entry["keys"] if k["key"] == "input_ids"]
+    assert ids["first_difference"] == {"sample": 1, "token": 17} and ids["num_different"] == 1
+    assert ids["b_value"] == ids["a_value"] + 1
+
+    result = subprocess.run(
+        [sys.executable, "-m", "glm45v_fsdp.tools.compare-batches", str(a_file), str(b_file)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert result.returncode == 1 and "sample 1, token 17" in result.stdout
+    assert compare_batches.main([str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
