@@ -20,6 +20,7 @@ from glm45v_fsdp.checkpoint.layout import KeyDiff, describe_diff
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.data import GlobalBatchSampler, build_dataloader, build_dataset, load_image_processor, load_tokenizer
 from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.memory.chunk_loss import apply_chunk_loss
 from glm45v_fsdp.model import (
     REQUIRED_FSDP_UNITS,
     apply_freeze,
@@ -92,6 +93,8 @@ def build_model(config: Config, runtime: Runtime) -> tuple[nn.Module, object]:
     model = build_meta_model(hf_config)
     if config.model.freeze:
         log.info(format_matches("freeze", apply_freeze(model, config.model.freeze)))
+    if config.features.chunk_loss.mode != "off":
+        log.info(format_matches("chunk_loss", apply_chunk_loss(model, config.features.chunk_loss)))
     matches = apply_fsdp(
         model,
         config.parallel.fsdp_plan,

@@ -82,8 +82,20 @@ class ParallelConfig:
 
 
 @dataclass
+class ChunkLossConfig:
+    # off: full [tokens, vocab] logits; static: chunk_size rows per chunk; dynamic: chosen per batch from a budget.
+    mode: Literal["off", "static", "dynamic"] = "off"
+    chunk_size: int = 1024
+    # dynamic: at most this many rows per chunk; when null, as many rows as fit logits_budget_mib of fp32 logits.
+    total_chunk_size: int | None = None
+    logits_budget_mib: float = 256.0
+
+
+@dataclass
 class FeaturesConfig:
-    """Memory and speed switches (chunked loss, recompute, activation offload) are added here as they land."""
+    """Memory and speed switches; recompute and activation offload are added here as they land."""
+
+    chunk_loss: ChunkLossConfig = field(default_factory=ChunkLossConfig)
 
 
 @dataclass
@@ -464,6 +476,13 @@ def validate(config: Config) -> None:
                 f"and expert parallelism are not implemented. Set parallel.{key}=1."
             )
     _require(bool(p.fsdp_plan.apply_modules), "parallel.fsdp_plan.apply_modules", [], "a non-empty list of patterns")
+    chunk = config.features.chunk_loss
+    _require(chunk.chunk_size >= 1, "features.chunk_loss.chunk_size", chunk.chunk_size, "an integer >= 1")
+    if chunk.total_chunk_size is not None:
+        _require(
+            chunk.total_chunk_size >= 1, "features.chunk_loss.total_chunk_size", chunk.total_chunk_size, ">= 1 or null"
+        )
+    _require(chunk.logits_budget_mib > 0, "features.chunk_loss.logits_budget_mib", chunk.logits_budget_mib, "> 0")
 
 
 def validate_layout(p: ParallelConfig, world_size: int) -> None:

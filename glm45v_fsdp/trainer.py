@@ -24,6 +24,7 @@ from glm45v_fsdp.config import Config, dump_yaml
 from glm45v_fsdp.data.dump import BatchDumper
 from glm45v_fsdp.errors import TrainingStopped, UserError
 from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.memory.chunk_loss import ChunkChoice, ChunkedLossHead
 from glm45v_fsdp.metrics import GIB, MetricsSink, StepRecord, format_line, format_summary, summarize
 from glm45v_fsdp.optim import build_optimizer, build_scheduler
 from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
@@ -73,6 +74,9 @@ class Trainer:
         self.meter = MemoryMeter(runtime.device, enabled=track)
         self.precision = compute_precision(model, config.parallel.fsdp_plan, runtime.device.type)
         self.hsdp = is_sharded(model) and runtime.dims.dp_replicate > 1
+        head = model.get_submodule("lm_head")
+        self.chunk_head = head if isinstance(head, ChunkedLossHead) else None
+        self.chunk_trace: list[ChunkChoice] = []  # this step's chunking, one entry per micro batch
         self.global_batch_size = training.micro_batch_size * training.gradient_accumulation_steps * runtime.dp_size
         self.step = 0
         self.skipped_steps = 0
@@ -88,12 +92,15 @@ class Trainer:
             BatchDumper(self.output_dir, runtime.env.rank, training.dump_batches) if training.dump_batches else None
         )
         self.log.info(
-            "optimizer: AdamW (%s) | schedule %s warmup %.2f | loss %s, kernel: full-logits cross-entropy | "
+            "optimizer: AdamW (%s) | schedule %s warmup %.2f | loss %s, kernel: %s | "
             "memory figure: %s | global batch %d = micro %d x accumulation %d x dp %d",
             "fused" if fused else "foreach",
             training.lr_scheduler,
             training.lr_warmup_ratio,
             training.loss_type,
+            "full-logits cross-entropy"
+            if self.chunk_head is None
+            else f"chunked lm_head + cross-entropy ({config.features.chunk_loss.mode})",
             self.meter.kind,
             self.global_batch_size,
             training.micro_batch_size,
@@ -209,6 +216,8 @@ class Trainer:
             batch = move_batch(batch, self.runtime.torch_device)
             with self.precision:
                 ce_sum, valid = self.model(batch)
+            if self.chunk_head is not None:
+                self.chunk_trace.append(self.chunk_head.last_choice)
             scale = micro_loss_scale(training.loss_type, valid, global_valid_tensor, accumulation, self.runtime.dp_size)
             (ce_sum * scale).backward()
             report_loss += (ce_sum.detach() * scale).double()
@@ -264,6 +273,13 @@ class Trainer:
             self.runtime.device.synchronize()
         return self._record(lr, (time.perf_counter() - start) * 1000.0, loss, grad_norm, tokens, skipped)
 
+    def _chunk_metrics(self) -> dict[str, list[int]]:
+        """This step's chunked-loss choices on this rank (one entry per micro batch), then reset."""
+        if self.chunk_head is None:
+            return {}
+        trace, self.chunk_trace = self.chunk_trace, []
+        return {"chunk_size": [c.chunk_size for c in trace], "chunk_count": [c.chunks for c in trace]}
+
     def _record(self, lr: float, ms: float, loss: float, grad_norm: float, tokens: int, skipped: bool) -> StepRecord:
         self.step += 1
         self.consumed_samples += self.global_batch_size
@@ -285,6 +301,7 @@ class Trainer:
             skipped_steps_total=self.skipped_steps,
             ms_per_iter_per_rank=ms_ranks,
             mem_peak_per_rank_gib=mem_ranks,
+            extra=self._chunk_metrics(),
         )
         self.records.append(record)
         if self.runtime.is_main:

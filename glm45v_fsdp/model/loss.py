@@ -14,6 +14,7 @@ from torch import nn
 from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.data.vocab import IGNORE_INDEX, supervised_token_count
+from glm45v_fsdp.memory.chunk_loss import ChunkedLossHead
 
 # Collated batch keys passed to Glm4vMoeModel.forward when present; bookkeeping keys are ignored.
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
@@ -61,7 +62,10 @@ def causal_lm_loss_sum(
     """(sum of fp32 token cross-entropy, number of supervised tokens), position t predicting labels[:, t+1].
 
     Same shift and ignore_index as transformers' ForCausalLMLoss; the last position of each row predicts nothing.
+    A ChunkedLossHead (features.chunk_loss) computes the same sum chunk by chunk, through its own forward.
     """
+    if isinstance(lm_head, ChunkedLossHead):
+        return lm_head(hidden, labels)
     logits = lm_head(hidden).float()
     shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(logits.device)
     loss_sum = F.cross_entropy(

@@ -180,7 +180,8 @@ P = image patches (M = P / merge^2 merged image tokens); b = bytes of param_dtyp
                           (1176' = channels x temporal patch x patch^2; o = out_hidden_size: the block MLP width
                           and the merger width; I_v = intermediate_size: the merger's gate/up width)
   loss peak             3 x s x V x 4             log-probs [s, V] fp32 saved by cross-entropy + their gradient +
-                          the logits' gradient, all live at the start of backward (no chunked loss yet)
+                          the logits' gradient, all live at the start of backward; with features.chunk_loss:
+                          2 x c x V x 4 + 2 x V x h x 4 + s x b h  (c = rows per chunk, all tokens supervised)
 Total = all decoder layers + vision tower + text other + loss peak. Not counted: the workspace of one layer's
 backward (about its own saved activations, which are freed as it runs), temporaries inside forward, allocator
 fragmentation."""
@@ -206,8 +207,11 @@ def _norm(tokens: int, width: int, b: int) -> int:
     return tokens * (4 * width + 4 + b * width)
 
 
-def activation_bytes(hf_config, tokens: int, image_patches: int, compute_itemsize: int) -> Activations:
-    """ACTIVATION_FORMULA for a Glm4vMoeConfig, `tokens` per micro batch and `image_patches` in it."""
+def activation_bytes(
+    hf_config, tokens: int, image_patches: int, compute_itemsize: int, chunk_rows: int | None = None
+) -> Activations:
+    """ACTIVATION_FORMULA for a Glm4vMoeConfig, `tokens` per micro batch and `image_patches` in it; `chunk_rows`:
+    the chunked loss's rows per chunk (features.chunk_loss), None for the full-logits loss."""
     t, v = hf_config.text_config, hf_config.vision_config
     b, s = compute_itemsize, tokens
     h, a, g = t.hidden_size, t.num_attention_heads, t.num_key_value_heads
@@ -225,7 +229,10 @@ def activation_bytes(hf_config, tokens: int, image_patches: int, compute_itemsiz
     n_dense = min(t.first_k_dense_replace, t.num_hidden_layers)
     rotary = int(d * t.rope_parameters.get("partial_rotary_factor", 1.0))
     text_other = s * (8 + 2 * b * rotary + b * h + 8) + _norm(s, h, b)
-    loss_peak = 3 * s * t.vocab_size * FP32
+    if chunk_rows is None:
+        loss_peak = 3 * s * t.vocab_size * FP32
+    else:  # one chunk's fp32 logits + a temporary of that size, fp32 weight copy and gradient, hidden-state gradient
+        loss_peak = 2 * chunk_rows * t.vocab_size * FP32 + 2 * t.vocab_size * h * FP32 + s * h * b
 
     p, hv, out = image_patches, v.hidden_size, v.out_hidden_size
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2

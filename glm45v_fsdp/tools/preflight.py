@@ -25,6 +25,7 @@ from glm45v_fsdp.config import Config, load_config
 from glm45v_fsdp.data import load_image_processor
 from glm45v_fsdp.data.processor import process_images
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.memory.chunk_loss import choose_chunk
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, build_meta_model, describe_model, load_hf_config
 from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp
 from glm45v_fsdp.parallel.plan import PlanMatch
@@ -156,7 +157,11 @@ def memory_report(
     transient = transient_bytes(specs, shard_size, sharded, compute, reduce, plan.reshard_after_forward)
     patches, image_text = image_patches(config, hf_config, images_per_sample, image_size)
     tokens = config.training.micro_batch_size * config.data.cutoff_len
-    acts = activation_bytes(hf_config, tokens, patches, compute)
+    chunking = config.features.chunk_loss
+    chunk_rows = (
+        None if chunking.mode == "off" else choose_chunk(chunking, tokens, hf_config.text_config.vocab_size).chunk_size
+    )
+    acts = activation_bytes(hf_config, tokens, patches, compute, chunk_rows)
     per_index = [state_bytes(specs, shard_size, index, sharded) for index in range(shard_size)]
     ranks = []
     for rank in range(dims.world_size):
