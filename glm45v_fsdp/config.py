@@ -92,10 +92,22 @@ class ChunkLossConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    enabled: bool = False
+    apply_modules: list[str] = field(
+        default_factory=lambda: ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
+    )
+    # full: keep nothing inside a module; selective: keep matmul / attention / router top-k outputs.
+    granularity: Literal["full", "selective"] = "full"
+    use_reentrant: bool = False
+
+
+@dataclass
 class FeaturesConfig:
-    """Memory and speed switches; recompute and activation offload are added here as they land."""
+    """Memory and speed switches; activation offload is added here when it lands."""
 
     chunk_loss: ChunkLossConfig = field(default_factory=ChunkLossConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
 
 @dataclass
@@ -483,6 +495,15 @@ def validate(config: Config) -> None:
             chunk.total_chunk_size >= 1, "features.chunk_loss.total_chunk_size", chunk.total_chunk_size, ">= 1 or null"
         )
     _require(chunk.logits_budget_mib > 0, "features.chunk_loss.logits_budget_mib", chunk.logits_budget_mib, "> 0")
+    recompute = config.features.recompute
+    if recompute.enabled:
+        _require(bool(recompute.apply_modules), "features.recompute.apply_modules", [], "a non-empty list of patterns")
+        _require(
+            not (recompute.use_reentrant and recompute.granularity == "selective"),
+            "features.recompute.use_reentrant",
+            True,
+            "false with granularity=selective (selective recompute needs the non-reentrant checkpoint)",
+        )
 
 
 def validate_layout(p: ParallelConfig, world_size: int) -> None:

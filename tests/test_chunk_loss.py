@@ -45,7 +45,9 @@ def test_head_skips_unsupervised_rows_and_matches_the_shifted_loss():
     labels[0, :4] = -100
     loss, count = head(hidden, labels)
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    reference = F.cross_entropy(F.linear(hidden, reference_weight).reshape(-1, 50), shifted.reshape(-1), reduction="sum")
+    reference = F.cross_entropy(
+        F.linear(hidden, reference_weight).reshape(-1, 50), shifted.reshape(-1), reduction="sum"
+    )
     torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
     assert int(count) == int((shifted != -100).sum()) == head.last_choice.rows == 13
     assert head.last_choice.chunk_size == 3 and head.last_choice.chunks == 5
