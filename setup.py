@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
 
@@ -22,14 +22,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=[
-        "glm45v_fsdp",
-        "glm45v_fsdp.runtime",
-        "glm45v_fsdp.model",
-        "glm45v_fsdp.parallel",
-        "glm45v_fsdp.data",
-        "glm45v_fsdp.tools",
+        *find_packages(include=["glm45v_fsdp", "glm45v_fsdp.*", "ds_compat", "ds_compat.*"]),
         "glm45v_fsdp.configs",
-        "ds_compat",
     ],
     # The top-level configs/ folder ships inside the package, so the default config is found after a
     # non-editable install too.
@@ -45,6 +39,7 @@ setup(
         "pillow>=10.0",
         "numpy>=1.24",
         "tqdm>=4.60",
+        "hjson>=3.0",  # ds_config files may be hjson, as DeepSpeed accepts
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.5", "tensorboard>=2.14"],
@@ -56,6 +51,7 @@ setup(
     entry_points={
         "console_scripts": [
             "glm45v-train=glm45v_fsdp.train:main",
+            "ds-fsdp=ds_compat.launcher:main",
         ]
     },
     classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],

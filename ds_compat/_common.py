@@ -1,0 +1,105 @@
+"""Typed reads of ds_config values and the running report of a translation.
+
+Every failed read is a UserError that names the DeepSpeed key, its value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from glm45v_fsdp.errors import UserError
+
+
+def key_error(path: str, value: Any, problem: str, fix: str) -> UserError:
+    return UserError(f"DeepSpeed config key '{path}' = {value!r} {problem}. {fix}")
+
+
+def unknown_key_error(path: str, value: Any, valid: Iterable[str], why: str) -> UserError:
+    prefix, _, leaf = path.rpartition(".")
+    close = difflib.get_close_matches(leaf, sorted(valid), n=1, cutoff=0.6)
+    hint = f"Did you mean '{prefix + '.' if prefix else ''}{close[0]}'? " if close else ""
+    return key_error(path, value, f"is not accepted: {why}", f"{hint}Remove or rename the key.")
+
+
+def check_keys(path: str, section: dict, valid: Iterable[str], why: str) -> None:
+    """Reject keys outside `valid`, as DeepSpeed's pydantic models (extra="forbid") do."""
+    valid = set(valid)
+    for key, value in section.items():
+        if key not in valid:
+            raise unknown_key_error(f"{path}.{key}", value, valid, why)
+
+
+def as_section(path: str, value: Any) -> dict:
+    """A nested section; null reads as empty, as in DeepSpeed."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise key_error(path, value, "is not a section", 'Write it as a JSON object, e.g. {"enabled": true}.')
+    return value
+
+
+def as_bool(path: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise key_error(path, value, "is not a boolean", "Write true or false.")
+    return value
+
+
+def as_int(path: str, value: Any, minimum: int | None = None) -> int:
+    """An integer; integral floats (1e9 in JSON) are accepted, as DeepSpeed's arithmetic does."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise key_error(path, value, "is not an integer", "Write a whole number.")
+    if minimum is not None and value < minimum:
+        raise key_error(path, value, f"is below {minimum}", f"Write an integer >= {minimum}.")
+    return int(value)
+
+
+def as_float(path: str, value: Any, minimum: float | None = None, positive: bool = False) -> float:
+    if isinstance(value, (list, tuple)):
+        raise key_error(
+            path,
+            value,
+            "is a per-parameter-group list, which the translation does not support",
+            "Give one number for all parameter groups.",
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise key_error(path, value, "is not a number", "Write a number.")
+    if positive and value <= 0:
+        raise key_error(path, value, "is not positive", "Write a number > 0.")
+    if minimum is not None and value < minimum:
+        raise key_error(path, value, f"is below {minimum}", f"Write a number >= {minimum}.")
+    return float(value)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def format_value(value: Any) -> str:
+    """A value as our `key.path=value` overrides read it back (YAML scalars)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+@dataclass
+class Report:
+    """What a translation found: our overrides, keys without effect (each once), and differences from DeepSpeed."""
+
+    overrides: list[str] = field(default_factory=list)
+    no_effect: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def override(self, key: str, value: Any) -> None:
+        self.overrides = [item for item in self.overrides if item.split("=", 1)[0] != key]
+        self.overrides.append(f"{key}={format_value(value)}")
+
+    def ignore(self, path: str) -> None:
+        if path not in self.no_effect:
+            self.no_effect.append(path)
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)

@@ -1,0 +1,422 @@
+"""The ds_config sections, one mapper each: our overrides, keys without effect, differences, refusals.
+
+Each mapper reads a resolved ds_config ("auto" filled), validates what it reads the way DeepSpeed 0.19 does, and
+records into a Report; what the engine cannot honour raises a UserError naming the key and the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds_compat import ds_keys
+from ds_compat._common import (
+    Report,
+    as_bool,
+    as_float,
+    as_int,
+    as_section,
+    check_keys,
+    is_number,
+    key_error,
+)
+from glm45v_fsdp.errors import UserError
+
+_STRICT_WHY = "DeepSpeed's schema for this section forbids keys it does not define"
+_DTYPES = {
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+}
+
+
+def not_yet(path: str, value: Any, what: str, fix: str) -> UserError:
+    return key_error(path, value, f"is not supported yet: {what}", fix)
+
+
+def _cannot(path: str, value: Any, why: str, fix: str = "Remove the key.") -> UserError:
+    return key_error(path, value, f"cannot be honoured by the FSDP2 backend: {why}", fix)
+
+
+def check_top_level(ds: dict, report: Report) -> None:
+    for key, value in ds.items():
+        if key in ds_keys.REMOVED_TOP_LEVEL:
+            raise key_error(
+                key, value, f"is rejected by DeepSpeed 0.19: {ds_keys.REMOVED_TOP_LEVEL[key]}", "Remove it."
+            )
+        if key in ds_keys.STRICT_SECTIONS and key != "zero_optimization":
+            check_keys(key, as_section(key, value), ds_keys.STRICT_SECTIONS[key], _STRICT_WHY)
+        if key in ds_keys.NO_EFFECT_TOP:
+            report.ignore(key)
+        elif key not in ds_keys.KNOWN_TOP:
+            report.note(f"'{key}' is not a DeepSpeed key: DeepSpeed ignores it, and so does the translation.")
+
+
+def sequence_parallel(ds: dict, world_size: int, report: Report) -> int:
+    sp = ds.get("sequence_parallel_size")
+    sp = 1 if sp is None else as_int("sequence_parallel_size", sp, minimum=1)
+    if world_size % sp:
+        raise key_error(
+            "sequence_parallel_size",
+            sp,
+            f"does not divide the world size {world_size}",
+            f"Choose a divisor of {world_size}; the data-parallel size is world size / sequence_parallel_size.",
+        )
+    if "data_parallel_size" in ds:
+        dp = as_int("data_parallel_size", ds["data_parallel_size"], minimum=1)
+        if "sequence_parallel_size" not in ds:
+            report.ignore("data_parallel_size")
+        elif dp != world_size // sp:
+            raise key_error(
+                "data_parallel_size",
+                dp,
+                f"is not world size / sequence_parallel_size = {world_size} / {sp}",
+                f"Set it to {world_size // sp} or remove it.",
+            )
+    return sp
+
+
+def _offload_device(zero: dict, key: str, allowed: frozenset[str], legacy: str, report: Report) -> str:
+    """The device of `zero_optimization.<key>` (or its deprecated boolean `legacy` form): none, cpu."""
+    path = f"zero_optimization.{key}"
+    if legacy in zero:
+        on = as_bool(f"zero_optimization.{legacy}", zero[legacy])
+        if zero.get(key) is not None:
+            raise key_error(
+                f"zero_optimization.{legacy}",
+                on,
+                f"is the deprecated form of {key}",
+                "DeepSpeed rejects both: keep one.",
+            )
+        report.note(
+            f"zero_optimization.{legacy} is deprecated in DeepSpeed; read as {key}.device = {'cpu' if on else 'none'}."
+        )
+        return "cpu" if on else "none"
+    section = as_section(path, zero.get(key))
+    check_keys(path, section, allowed, _STRICT_WHY)
+    device = section.get("device", "none")
+    if device not in ("none", "cpu", "nvme"):
+        raise key_error(f"{path}.device", device, "is not an offload device", 'Write "cpu" or "none".')
+    if device == "nvme":
+        raise _cannot(
+            f"{path}.device",
+            device,
+            "NVMe offload (ZeRO-Infinity) needs DeepSpeed's async I/O engine; FSDP2 offloads to host memory only",
+            'Use "cpu".',
+        )
+    for sub in section:
+        if sub not in ("device", "ratio"):
+            report.ignore(f"{path}.{sub}")
+    return device
+
+
+def map_zero(ds: dict, dp: int, report: Report) -> int:
+    raw = ds.get("zero_optimization")
+    if isinstance(raw, bool):
+        report.note("zero_optimization as a boolean is DeepSpeed's deprecated form; read as stage 1 (true) or 0.")
+        zero: dict = {"stage": int(raw)}
+    else:
+        zero = as_section("zero_optimization", raw)
+    for key, value in zero.items():
+        if key in ds_keys.REMOVED_ZERO:
+            raise key_error(
+                f"zero_optimization.{key}",
+                value,
+                f"is rejected by DeepSpeed 0.19: {ds_keys.REMOVED_ZERO[key]}",
+                "Remove it.",
+            )
+    check_keys("zero_optimization", zero, ds_keys.STRICT_SECTIONS["zero_optimization"], _STRICT_WHY)
+    for alias, name in ds_keys.ZERO_ALIASES.items():
+        if alias in zero and name in zero:
+            raise key_error(
+                f"zero_optimization.{name}", zero[name], f"repeats its alias {alias}", "Keep one of the two."
+            )
+    stage = zero.get("stage", 0)
+    stage = as_int("zero_optimization.stage", int(stage) if isinstance(stage, str) and stage.isdigit() else stage)
+    if stage not in (0, 1, 2, 3):
+        raise key_error("zero_optimization.stage", stage, "is not a ZeRO stage", "Write 0, 1, 2 or 3.")
+    for key, why in ds_keys.ZERO_UNSUPPORTED.items():
+        if zero.get(key) not in (None, False):
+            raise _cannot(f"zero_optimization.{key}", zero[key], why)
+    if zero.get("compute_grad_norm") is False and stage not in (1, 2):
+        raise key_error(
+            "zero_optimization.compute_grad_norm",
+            False,
+            "is rejected by DeepSpeed below/above stages 1-2",
+            "Remove it.",
+        )
+    optimizer_device = _offload_device(zero, "offload_optimizer", ds_keys.OFFLOAD_OPTIMIZER_KEYS, "cpu_offload", report)
+    param_device = _offload_device(zero, "offload_param", ds_keys.OFFLOAD_PARAM_KEYS, "cpu_offload_param", report)
+    ratio_section = as_section("zero_optimization.offload_optimizer", zero.get("offload_optimizer"))
+    if "ratio" in ratio_section:
+        ratio = as_float("zero_optimization.offload_optimizer.ratio", ratio_section["ratio"], minimum=0.0)
+        if ratio > 1 or (ratio < 1 and stage != 3):
+            raise key_error(
+                "zero_optimization.offload_optimizer.ratio",
+                ratio,
+                "is rejected by DeepSpeed (a ratio in [0, 1], below 1 only with stage 3)",
+                "Write 1.0 or remove it.",
+            )
+        if ratio < 1:
+            report.note("offload_optimizer.ratio < 1: FSDP2 offloads all optimizer state, not a share of it.")
+        else:
+            report.ignore("zero_optimization.offload_optimizer.ratio")
+    for key in zero:
+        if key in ds_keys.ZERO_NO_EFFECT:
+            report.ignore(f"zero_optimization.{key}")
+
+    report.override("parallel.data_parallel_replicate_size", dp if stage == 0 else 1)
+    report.override("parallel.fsdp_plan.reshard_after_forward", stage == 3)
+    if stage == 0:
+        report.note(
+            "ZeRO stage 0 -> replicated data parallel: parallel.data_parallel_replicate_size = the data-parallel "
+            "size, so FSDP2 shards over groups of one rank and all-reduces gradients (DeepSpeed's DDP-style engine)."
+        )
+    elif stage in (1, 2):
+        report.note(
+            f"ZeRO stage {stage} -> FSDP2 without reshard after forward: FSDP2 also shards the parameters at rest "
+            f"(DeepSpeed stage {stage} keeps full parameters{' and gradients' if stage == 1 else ''} on every rank) "
+            "and all-gathers them once per step; gradients are reduce-scattered. Same updates, less memory."
+        )
+    offload = (optimizer_device == "cpu" and stage >= 1) or (param_device == "cpu" and stage == 3)
+    if optimizer_device == "cpu" and stage == 0:
+        report.ignore("zero_optimization.offload_optimizer")
+        report.note("offload_optimizer has no effect at ZeRO stage 0 (DeepSpeed offloads only from stage 1).")
+    if param_device == "cpu" and stage < 3:
+        report.ignore("zero_optimization.offload_param")
+        report.note("offload_param has no effect below ZeRO stage 3 (DeepSpeed offloads parameters only at stage 3).")
+    report.override("parallel.fsdp_plan.cpu_offload", offload)
+    if offload:
+        report.note(
+            "CPU offload -> parallel.fsdp_plan.cpu_offload: FSDP2's CPUOffloadPolicy keeps parameters, gradients and "
+            "optimizer states in (pinned) host memory and steps the optimizer on the CPU with torch's AdamW. "
+            "DeepSpeed's offload_optimizer alone keeps the parameters on the device (ZeRO-Offload): here they are "
+            "offloaded too (less device memory, more host traffic); pin_memory and the CPU-Adam tuning keys do not "
+            "apply."
+        )
+    return stage
+
+
+def _fp16_error(fp16: dict) -> UserError:
+    """fp16 is not supported yet; the message says what DeepSpeed's loss scaling would have been."""
+    static = fp16.get("loss_scale", 0)
+    if is_number(static) and static > 0:
+        scaling = f"a static loss scale of {static}"
+    else:
+        power = fp16.get("initial_scale_power", 16)
+        initial = 2**power if isinstance(power, int) else power
+        window = fp16.get("loss_scale_window", 1000)
+        scaling = (
+            f"dynamic loss scaling from 2**{power} = {initial}, doubled after {window} steps without overflow and "
+            f"halved after {fp16.get('hysteresis', 2)} overflows (hysteresis), never below "
+            f"{fp16.get('min_loss_scale', 1)}: torch.amp.GradScaler(init_scale={initial}, growth_interval={window}) "
+            "without the hysteresis and the floor"
+        )
+    return not_yet(
+        "fp16.enabled",
+        True,
+        f"the FSDP2 engine has no fp16 path (bf16 and fp32 only); DeepSpeed would use {scaling}",
+        'Use "bf16": {"enabled": true} instead, or set fp16.enabled to false for fp32.',
+    )
+
+
+def map_precision(ds: dict, stage: int, report: Report) -> str:
+    fp16 = as_section("fp16", ds.get("fp16"))
+    bf16_key = "bf16" if "bf16" in ds else "bfloat16"
+    bf16 = as_section(bf16_key, ds.get(bf16_key))
+    autocast = as_section("torch_autocast", ds.get("torch_autocast"))
+    fp16_on = as_bool("fp16.enabled", fp16.get("enabled", False))
+    bf16_on = as_bool(f"{bf16_key}.enabled", bf16.get("enabled", False))
+    autocast_on = as_bool("torch_autocast.enabled", autocast.get("enabled", False))
+    if fp16_on and bf16_on:
+        raise key_error(
+            "fp16.enabled", True, f"is set together with {bf16_key}.enabled, which DeepSpeed rejects", "Keep one."
+        )
+    if fp16_on:
+        raise _fp16_error(fp16)
+    autocast_dtype = _DTYPES.get(str(autocast.get("dtype", "bf16")).lower())
+    if autocast_on and autocast_dtype != "bf16":
+        raise not_yet(
+            "torch_autocast.dtype",
+            autocast.get("dtype"),
+            "the FSDP2 engine computes in bf16 or fp32 only",
+            'Use "bfloat16".',
+        )
+    for section, name, key in (
+        (fp16, "fp16", "fp16_master_weights_and_grads"),
+        (bf16, bf16_key, "bf16_master_weights_and_grads"),
+        (bf16, bf16_key, "bf16_optimizer_states"),
+    ):
+        if as_bool(f"{name}.{key}", section.get(key, False)):
+            if stage == 0:
+                raise key_error(f"{name}.{key}", True, "is rejected by DeepSpeed without ZeRO (stage 0)", "Remove it.")
+            report.note(f"{name}.{key}: FSDP2 keeps fp32 master weights, gradients and optimizer states (more memory).")
+    if as_bool(f"{bf16_key}.bf16_optimizer_states", bf16.get("bf16_optimizer_states", False)) and not bf16.get(
+        "bf16_master_weights_and_grads", False
+    ):
+        raise key_error(
+            f"{bf16_key}.bf16_optimizer_states", True, "needs bf16_master_weights_and_grads in DeepSpeed", "Remove it."
+        )
+    precision = "bf16" if bf16_on or autocast_on else "fp32"
+    report.override("parallel.fsdp_plan.param_dtype", precision)
+    if precision == "fp32":
+        report.note('precision fp32: DeepSpeed trains in fp32 unless bf16 is enabled (add "bf16": {"enabled": true}).')
+    mapped = {"enabled", "check_grad_overflow"} if bf16_on else {"enabled"}
+    for name, section in (("fp16", fp16), (bf16_key, bf16), ("torch_autocast", autocast)):
+        for key in section:
+            if key not in mapped:
+                report.ignore(f"{name}.{key}")
+    if bf16_on and as_bool(f"{bf16_key}.check_grad_overflow", bf16.get("check_grad_overflow", True)):
+        report.override("training.on_nonfinite", "skip")
+        report.note(
+            "bf16 check_grad_overflow (DeepSpeed's default) -> training.on_nonfinite=skip; DeepSpeed skips without "
+            "limit, the trainer stops after training.max_skipped_steps skipped steps."
+        )
+    if autocast_on:
+        report.note(
+            "torch_autocast -> bf16 FSDP2 mixed precision: DeepSpeed keeps fp32 parameters and casts per op "
+            "(lower_precision_safe_modules); FSDP2 casts each unit's parameters to bf16 for compute."
+        )
+    comm = ds.get("communication_data_type")
+    if comm is None:
+        report.override("parallel.fsdp_plan.reduce_dtype", "fp32")
+        if precision == "bf16":
+            report.note(
+                "gradient reduction in fp32: DeepSpeed reduces bf16 gradients in bf16 unless communication_data_type "
+                'says otherwise (set it to "bf16" for DeepSpeed\'s behaviour).'
+            )
+    else:
+        reduce = _DTYPES.get(str(comm).lower())
+        if str(comm).lower() not in ("fp32", "bf16", "fp16"):
+            raise key_error("communication_data_type", comm, "is rejected by DeepSpeed", 'Write "fp32" or "bf16".')
+        if reduce == "fp16":
+            raise not_yet("communication_data_type", comm, "fp16 gradient reduction", 'Write "fp32" or "bf16".')
+        report.override("parallel.fsdp_plan.reduce_dtype", reduce)
+    data_types = as_section("data_types", ds.get("data_types"))
+    for key, value in data_types.items():
+        path = f"data_types.{key}"
+        if key == "param_dtype" and value is not None and _DTYPES.get(str(value).lower()) != precision:
+            raise key_error(
+                path,
+                value,
+                f"conflicts with the enabled precision ({precision}), which DeepSpeed rejects",
+                "Remove it.",
+            )
+        if key in ("param_dtype", "grad_accum_dtype", "buffer_dtype", "keep_in_fp32_modules"):
+            report.ignore(path)
+        else:
+            report.note(f"'{path}' is not a DeepSpeed key: DeepSpeed ignores it, and so does the translation.")
+    return precision
+
+
+def map_clipping(ds: dict, report: Report) -> float:
+    if "gradient_clipping" not in ds:
+        report.note("gradient_clipping is not set: DeepSpeed 0.19 clips at its default 1.0, and so does the trainer.")
+    clip = as_float("gradient_clipping", ds.get("gradient_clipping", 1.0))
+    if clip < 0:
+        report.note(f"gradient_clipping = {clip} < 0 disables clipping in DeepSpeed; training.clip_grad=0 does here.")
+        clip = 0.0
+    report.override("training.clip_grad", clip)
+    return clip
+
+
+def _enabled(ds: dict, key: str) -> tuple[dict, bool]:
+    section = as_section(key, ds.get(key))
+    return section, as_bool(f"{key}.enabled", section.get("enabled", False))
+
+
+def map_logging(ds: dict, report: Report) -> None:
+    if ds.get("steps_per_print") is not None:
+        report.override("training.log_interval", as_int("steps_per_print", ds["steps_per_print"], minimum=1))
+    if "tensorboard" in ds:
+        section, on = _enabled(ds, "tensorboard")
+        report.override("training.tensorboard", on)
+        if on and ("output_path" in section or "job_name" in section):
+            report.note("tensorboard events go to <training.output_dir>/tensorboard, not output_path/job_name.")
+    if "csv_monitor" in ds:
+        _, on = _enabled(ds, "csv_monitor")
+        if on:
+            report.note("csv_monitor -> the trainer's <training.output_dir>/metrics.jsonl (JSON lines, not CSV files).")
+        else:
+            report.ignore("csv_monitor")
+    for key in ("wandb", "comet"):
+        if key in ds:
+            _, on = _enabled(ds, key)
+            if on:
+                report.note(f"{key} is not supported: metrics go to metrics.jsonl (and TensorBoard when enabled).")
+            report.ignore(key)
+
+
+def map_activation_checkpointing(ds: dict, report: Report) -> None:
+    """Noted, never refused: recompute and activation offload change memory, not the numerics."""
+    section = as_section("activation_checkpointing", ds.get("activation_checkpointing"))
+    for key in section:
+        if key in ds_keys.ACTIVATION_CHECKPOINTING_KEYS:
+            report.ignore(f"activation_checkpointing.{key}")
+        else:
+            report.note(
+                f"'activation_checkpointing.{key}' is not a DeepSpeed key: DeepSpeed ignores it, and so does this."
+            )
+    if any(section.get(key) for key in ds_keys.ACTIVATION_CHECKPOINTING_KEYS):
+        report.note(
+            "activation_checkpointing is not applied: DeepSpeed uses it only inside models that call "
+            "deepspeed.checkpointing.checkpoint(); this engine recomputes by its own plan (features.recompute), which "
+            "the section does not switch on, and has no counterpart yet for partition_activations (splitting over "
+            "tensor-parallel ranks) or cpu_checkpointing (activation offload). Same numerics; memory may differ."
+        )
+
+
+def map_unsupported_features(ds: dict, report: Report) -> None:
+    op = ds.get("gradient_allreduce_op", "mean")
+    if str(op).lower() != "mean":
+        raise _cannot(
+            "gradient_allreduce_op", op, "the engine averages gradients over data-parallel ranks", 'Use "mean".'
+        )
+    if "gradient_allreduce_op" in ds:
+        report.ignore("gradient_allreduce_op")
+    if "managed_gradient_accumulation" in ds:
+        if not as_bool("managed_gradient_accumulation", ds["managed_gradient_accumulation"]):
+            raise _cannot(
+                "managed_gradient_accumulation", False, "the engine owns the accumulation boundary", "Remove the key."
+            )
+        report.ignore("managed_gradient_accumulation")
+    refusals = {
+        "hybrid_engine": "DeepSpeed-Chat's hybrid training/inference engine",
+        "data_efficiency": "curriculum learning and random-LTD change the data the model sees",
+    }
+    for key, what in refusals.items():
+        if key in ds:
+            if _enabled(ds, key)[1]:
+                raise _cannot(f"{key}.enabled", True, what)
+            report.ignore(key)
+    if "pipeline" in ds:
+        if as_section("pipeline", ds["pipeline"]):
+            raise _cannot(
+                "pipeline", ds["pipeline"], "pipeline parallelism (DeepSpeed's PipelineModule) is not available"
+            )
+        report.ignore("pipeline")
+    if "tensor_parallel" in ds:
+        size = as_section("tensor_parallel", ds["tensor_parallel"]).get("autotp_size", 0)
+        if as_int("tensor_parallel.autotp_size", size) > 1:
+            raise _cannot("tensor_parallel.autotp_size", size, "tensor parallelism (AutoTP) is not available")
+        report.ignore("tensor_parallel")
+    if "expert_parallel" in ds:
+        section, on = _enabled(ds, "expert_parallel")
+        if on:
+            raise not_yet(
+                "expert_parallel.enabled",
+                True,
+                f"AutoEP maps to parallel.expert_parallel_size={section.get('autoep_size', 1)}, and the engine has "
+                "no expert parallelism yet",
+                "Set expert_parallel.enabled to false.",
+            )
+        report.ignore("expert_parallel")
+    if "weight_quantization" in ds:
+        raise _cannot("weight_quantization", ds["weight_quantization"], "quantized weights change the numerics")

@@ -1,0 +1,917 @@
+"""ds_compat.config: ds_config loading, "auto" filling, DeepSpeed's batch arithmetic, schedules and key mapping.
+
+The installed DeepSpeed is the reference: its DeepSpeedConfig (with a faked world size) for the batch triple and
+its errors, its lr_schedules classes for the schedules, its pydantic models for the keys it accepts.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import inspect
+import json
+import logging
+import math
+import os
+
+import pytest
+import torch
+
+from ds_compat import ds_keys, schedules
+from ds_compat.config import load_ds_config, main, resolve_auto, resolve_batch, translate
+from glm45v_fsdp.config import Config, config_from_dict, load_config
+from glm45v_fsdp.errors import UserError
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# deepspeed is the reference: .ci/run installs it, and these comparisons must run (a skip would hide a gap).
+from deepspeed import comm as ds_comm  # noqa: E402
+from deepspeed.runtime import lr_schedules as ds_lr  # noqa: E402
+from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
+
+logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+BASE = config_from_dict(
+    {
+        "training": {
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 4,
+            "lr": 3e-4,
+            "min_lr": 3e-5,
+            "lr_warmup_ratio": 0.1,
+            "train_iters": 200,
+            "weight_decay": 0.1,
+            "adam_beta1": 0.9,
+            "adam_beta2": 0.95,
+            "adam_eps": 1e-6,
+            "clip_grad": 0.5,
+        }
+    }
+)
+
+HF_ZERO3 = {
+    "bf16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+HF_ZERO2 = {
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": "auto",
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+MEGATRON_STYLE = {
+    "train_batch_size": 64,
+    "train_micro_batch_size_per_gpu": 2,
+    "steps_per_print": 10,
+    "optimizer": {"type": "Adam", "params": {"lr": 1.5e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 1.5e-4, "warmup_num_steps": 100, "warmup_type": "linear"},
+    },
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
+    "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True},
+    "wall_clock_breakdown": False,
+}
+
+# (name, ds_config, base); each row runs at world sizes 1, 2, 4, 8.
+TABLE = [
+    ("micro_only_z0", {"train_micro_batch_size_per_gpu": 4}, None),
+    ("total_only_z0", {"train_batch_size": 32}, None),
+    (
+        "total_micro_z1",
+        {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}},
+        None,
+    ),
+    (
+        "total_accum_z2",
+        {
+            "train_batch_size": 64,
+            "gradient_accumulation_steps": 4,
+            "zero_optimization": {
+                "stage": 2,
+                "overlap_comm": True,
+                "reduce_bucket_size": 5e8,
+                "allgather_bucket_size": 5e8,
+            },
+        },
+        None,
+    ),
+    (
+        "micro_accum_z3",
+        {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 3}},
+        None,
+    ),
+    (
+        "all_three_fit_1",
+        {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
+        None,
+    ),
+    (
+        "all_three_fit_4",
+        {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
+        None,
+    ),
+    (
+        "all_three_fit_8",
+        {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
+        None,
+    ),
+    (
+        "all_three_inconsistent",
+        {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
+        None,
+    ),
+    ("total_not_multiple", {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 4}, None),
+    ("total_below_world", {"train_batch_size": 4}, None),
+    ("total_accum_indivisible", {"train_batch_size": 24, "gradient_accumulation_steps": 5}, None),
+    ("accum_only", {"gradient_accumulation_steps": 4}, None),
+    ("no_batch_keys", {"zero_optimization": {"stage": 2}}, None),
+    ("null_total_micro", {"train_batch_size": None, "train_micro_batch_size_per_gpu": 2}, None),
+    ("zero_micro", {"train_micro_batch_size_per_gpu": 0}, None),
+    ("negative_total", {"train_batch_size": -8, "train_micro_batch_size_per_gpu": 2}, None),
+    ("float_total", {"train_batch_size": 32.0, "train_micro_batch_size_per_gpu": 4}, None),
+    ("bf16_z2", {"train_batch_size": 16, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, None),
+    (
+        "fp16_off_z1",
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "fp16": {"enabled": False, "initial_scale_power": 12},
+            "zero_optimization": {"stage": 1},
+        },
+        None,
+    ),
+    (
+        "z3_offload",
+        {
+            "train_batch_size": 64,
+            "train_micro_batch_size_per_gpu": 8,
+            "bf16": {"enabled": True},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "cpu"},
+                "offload_param": {"device": "cpu"},
+            },
+        },
+        None,
+    ),
+    (
+        "z2_offload_optimizer",
+        {
+            "train_batch_size": 16,
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+        },
+        None,
+    ),
+    ("z1_legacy_cpu_offload", {"train_batch_size": 16, "zero_optimization": {"stage": 1, "cpu_offload": True}}, None),
+    ("legacy_zero_bool", {"train_batch_size": 16, "zero_optimization": True}, None),
+    ("hf_zero3_auto", HF_ZERO3, BASE),
+    ("hf_zero2_auto", HF_ZERO2, BASE),
+    ("auto_total_micro_given", {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4}, BASE),
+    ("auto_accum_total_given", {"train_batch_size": 64, "gradient_accumulation_steps": "auto"}, BASE),
+    ("megatron_style", MEGATRON_STYLE, None),
+    (
+        "sgd_step_lr",
+        {
+            "train_batch_size": 32,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+            "scheduler": {"type": "StepLR", "params": {"step_size": 10, "gamma": 0.5}},
+        },
+        None,
+    ),
+    (
+        "monitors",
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "steps_per_print": 5,
+            "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "j"},
+            "csv_monitor": {"enabled": True},
+            "flops_profiler": {"enabled": False},
+            "comms_logger": {"enabled": False},
+        },
+        None,
+    ),
+    ("comm_dtype_bf16", {"train_batch_size": 16, "bf16": {"enabled": True}, "communication_data_type": "bf16"}, None),
+    ("sp2_total", {"train_batch_size": 16, "sequence_parallel_size": 2}, None),
+    ("sp2_micro", {"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2}, None),
+    (
+        "sp4_all_three",
+        {
+            "train_batch_size": 4,
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "sequence_parallel_size": 4,
+        },
+        None,
+    ),
+]
+WORLD_SIZES = (1, 2, 4, 8)
+
+
+@pytest.fixture
+def ds_batch(monkeypatch):
+    """DeepSpeedConfig's batch triple (or its exception) for a faked world size; no process group needed."""
+
+    def run(config: dict, world_size: int) -> tuple | Exception:
+        monkeypatch.setattr(ds_comm, "get_rank", lambda group=None: 0)
+        monkeypatch.setattr(ds_comm, "get_world_size", lambda group=None: world_size)
+        try:
+            ds = DeepSpeedConfig(copy.deepcopy(config))
+        except Exception as error:  # DeepSpeed raises AssertionError, ValueError, TypeError, ValidationError ...
+            return error
+        return (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
+
+    return run
+
+
+def test_table_is_large_enough():
+    assert len(TABLE) >= 30 and len({name for name, _, _ in TABLE}) == len(TABLE)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name, config, base", TABLE, ids=[row[0] for row in TABLE])
+def test_batch_triple_matches_deepspeed(name, config, base, world_size, ds_batch):
+    sp = config.get("sequence_parallel_size") or 1
+    if world_size % sp:
+        with pytest.raises(UserError, match="sequence_parallel_size"):
+            translate(config, world_size, base)
+        return
+    dp = world_size // sp
+    resolved, _ = resolve_auto(config, base, dp)
+    expected = ds_batch(resolved, world_size)
+    if isinstance(expected, Exception):
+        with pytest.raises(UserError):
+            resolve_batch(resolved, dp)
+        with pytest.raises(UserError):
+            translate(config, world_size, base)
+        return
+    ours = resolve_batch(resolved, dp)
+    assert (ours.train_batch_size, ours.micro_batch_size, ours.gradient_accumulation_steps) == expected
+    if sp > 1:
+        with pytest.raises(UserError, match="'sequence_parallel_size' = .* not supported yet"):
+            translate(config, world_size, base)
+        return
+    translation = translate(config, world_size, base)
+    assert translation.batch == ours
+    assert len(translation.no_effect) == len(set(translation.no_effect))
+    applied = translation.apply(base or Config())
+    assert applied.training.micro_batch_size == ours.micro_batch_size
+    assert applied.training.gradient_accumulation_steps == ours.gradient_accumulation_steps
+    assert (
+        applied.training.micro_batch_size
+        * applied.training.gradient_accumulation_steps
+        * world_size
+        // applied.parallel.ulysses_parallel_size
+        == expected[0]
+    )
+
+
+def test_resolve_batch_errors_name_the_keys():
+    with pytest.raises(UserError, match="'train_batch_size' = 30 does not equal .* 2 x 4 x 1 = 8"):
+        resolve_batch(
+            {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 1
+        )
+    with pytest.raises(UserError, match="as DeepSpeed requires \\(gradient_accumulation_steps = 0 derived"):
+        resolve_batch({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1}, 8)
+    with pytest.raises(UserError, match="neither 'train_batch_size' nor 'train_micro_batch_size_per_gpu'"):
+        resolve_batch({"gradient_accumulation_steps": 2}, 2)
+    with pytest.raises(UserError, match="'train_micro_batch_size_per_gpu' = 0 is not positive"):
+        resolve_batch({"train_micro_batch_size_per_gpu": 0}, 2)
+    with pytest.raises(UserError, match="'train_batch_size' = 'auto' is unresolved"):
+        resolve_batch({"train_batch_size": "auto"}, 2)
+    with pytest.raises(UserError, match="'gradient_accumulation_steps' = 2.5 is not an integer"):
+        resolve_batch({"train_batch_size": 8, "gradient_accumulation_steps": 2.5}, 1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# LR schedules against deepspeed.runtime.lr_schedules
+# --------------------------------------------------------------------------------------------------------------
+
+OPTIMIZER_LR = 2e-3
+SCHEDULES = [
+    ("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-2, "warmup_num_steps": 50, "warmup_type": "log"}),
+    ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 50, "warmup_type": "linear"}),
+    ("WarmupLR", {"warmup_num_steps": 1}),
+    (
+        "WarmupDecayLR",
+        {
+            "total_num_steps": 120,
+            "warmup_min_lr": 1e-5,
+            "warmup_max_lr": 3e-3,
+            "warmup_num_steps": 20,
+            "warmup_type": "linear",
+        },
+    ),
+    ("WarmupDecayLR", {"total_num_steps": 90, "warmup_num_steps": 30}),
+    ("WarmupDecayLR", {"total_num_steps": 30, "warmup_num_steps": 50, "warmup_type": "linear"}),
+    (
+        "WarmupCosineLR",
+        {
+            "total_num_steps": 150,
+            "warmup_min_ratio": 0.1,
+            "warmup_num_steps": 25,
+            "cos_min_ratio": 0.05,
+            "warmup_type": "log",
+        },
+    ),
+    ("WarmupCosineLR", {"total_num_steps": 100, "warmup_num_steps": 10, "warmup_type": "linear"}),
+    (
+        "OneCycle",
+        {
+            "cycle_min_lr": 1e-4,
+            "cycle_max_lr": 1e-2,
+            "cycle_first_step_size": 30,
+            "cycle_second_step_size": 20,
+            "decay_step_size": 10,
+            "decay_lr_rate": 0.1,
+            "decay_mom_rate": 0.05,
+        },
+    ),
+    (
+        "OneCycle",
+        {
+            "cycle_min_lr": 1e-3,
+            "cycle_max_lr": 5e-3,
+            "cycle_first_step_size": 40,
+            "cycle_first_stair_count": 4,
+            "cycle_second_stair_count": 5,
+            "cycle_min_mom": 0.85,
+            "cycle_max_mom": 0.95,
+        },
+    ),
+    ("OneCycle", {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_first_step_size": 25, "cycle_momentum": False}),
+    ("LRRangeTest", {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 10, "lr_range_test_step_rate": 2.0}),
+    ("LRRangeTest", {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 7, "lr_range_test_staircase": True}),
+]
+STEPS = 160
+
+
+def _deepspeed_trace(name: str, params: dict) -> list[tuple[float, tuple]]:
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=OPTIMIZER_LR)
+    scheduler = getattr(ds_lr, name)(optimizer, **params)
+    trace = [(optimizer.param_groups[0]["lr"], tuple(optimizer.param_groups[0]["betas"]))]
+    for _ in range(STEPS):
+        scheduler.step()
+        trace.append((optimizer.param_groups[0]["lr"], tuple(optimizer.param_groups[0]["betas"])))
+    return trace
+
+
+@pytest.mark.parametrize("name, params", SCHEDULES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(SCHEDULES)])
+def test_schedule_matches_deepspeed_step_by_step(name, params):
+    config = {
+        "train_batch_size": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": OPTIMIZER_LR}},
+        "scheduler": {"type": name, "params": params},
+    }
+    scheduler = translate(config, 1).scheduler
+    assert scheduler is not None and scheduler.type == name
+    cycles_momentum = name == "OneCycle" and params.get("cycle_momentum", True)
+    for step, (lr, betas) in enumerate(_deepspeed_trace(name, params)):
+        assert math.isclose(scheduler.lr_at(step), lr, rel_tol=1e-12, abs_tol=1e-15), (step, scheduler.lr_at(step), lr)
+        if cycles_momentum:
+            assert scheduler.momentum_at(step) == pytest.approx(betas, rel=1e-12, abs=1e-15), step
+        else:
+            assert scheduler.momentum_at(step) is None
+
+
+def test_schedule_defaults_match_deepspeed_signatures():
+    for name in schedules.DS_SCHEDULERS:
+        signature = inspect.signature(getattr(ds_lr, name).__init__).parameters
+        theirs = {
+            key: None if p.default is inspect.Parameter.empty else p.default
+            for key, p in signature.items()
+            if key not in ("self", "optimizer", "last_batch_iteration")
+        }
+        assert schedules.DEFAULTS[name] == theirs, name
+        required = {key for key, p in signature.items() if p.default is inspect.Parameter.empty} - {"self", "optimizer"}
+        assert set(schedules.REQUIRED.get(name, ())) == required, name
+
+
+def test_torch_scheduler_is_replayed_like_deepspeed_steps_it():
+    config = {
+        "train_batch_size": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "scheduler": {"type": "OneCycleLR", "params": {"max_lr": 0.01, "total_steps": 60}},
+    }
+    spec = translate(config, 1).scheduler
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    reference = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=60)
+    for step in range(60):
+        assert spec.lr_at(step) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12)
+        assert spec.momentum_at(step) == pytest.approx(optimizer.param_groups[0]["betas"])
+        optimizer.step()
+        reference.step()
+
+
+def test_scheduler_parameter_errors():
+    def scheduler(name, params):
+        return translate({"train_batch_size": 8, "scheduler": {"type": name, "params": params}}, 1)
+
+    with pytest.raises(
+        UserError, match="'scheduler.params.warmup_num_step' .* Did you mean 'scheduler.params.warmup_num_steps'"
+    ):
+        scheduler("WarmupLR", {"warmup_num_step": 10})
+    with pytest.raises(UserError, match="'scheduler.params.total_num_steps' = None is missing"):
+        scheduler("WarmupDecayLR", {"warmup_num_steps": 10})
+    with pytest.raises(UserError, match="'scheduler.params.warmup_num_steps' = 0 is below 1"):
+        scheduler("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 0})
+    with pytest.raises(UserError, match="per-parameter-group list"):
+        scheduler("WarmupLR", {"warmup_max_lr": [0.1, 0.2]})
+    with pytest.raises(UserError, match="'scheduler.params' = None is missing"):
+        translate({"train_batch_size": 8, "scheduler": {"type": "WarmupLR"}}, 1)
+    with pytest.raises(UserError, match="last_batch_iteration.*cannot be honoured"):
+        scheduler("WarmupLR", {"last_batch_iteration": 5})
+    with pytest.raises(UserError, match="ReduceLROnPlateau.*validation metric"):
+        scheduler("ReduceLROnPlateau", {})
+    with pytest.raises(UserError, match="'scheduler.type' = 5 is not a name"):
+        scheduler(5, {})
+    with pytest.raises(UserError, match="Did you mean 'WarmupCosineLR'"):
+        scheduler("WarmupCosinLR", {})
+    with pytest.raises(UserError, match="does not build torch.optim.lr_scheduler.StepLR"):
+        scheduler("StepLR", {"gamma": 0.5})
+    unknown = scheduler("WarmupLR", {"warmup_type": "cosine"})
+    assert any("falls back to 'log'" in note for note in unknown.notes)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# "auto"
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_auto_values_are_filled_from_the_base_config():
+    translation = translate(HF_ZERO3, 4, BASE)
+    ds = translation.ds_config
+    assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 4
+    assert ds["train_batch_size"] == 2 * 4 * 4
+    assert ds["gradient_clipping"] == 0.5 and translation.clip == 0.5
+    assert ds["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+    assert ds["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 3e-4,
+        "warmup_num_steps": 20,
+        "total_num_steps": 200,
+    }
+    assert ds["bf16"]["enabled"] is True and translation.precision == "bf16"
+    assert ds["zero_optimization"]["reduce_bucket_size"] == "auto"  # no effect on FSDP2: needs no value
+    assert "zero_optimization.reduce_bucket_size" in translation.no_effect
+    assert any(line.startswith("train_batch_size: auto -> 32") for line in translation.auto_filled)
+    fp32_base = config_from_dict({"parallel": {"fsdp_plan": {"param_dtype": "fp32"}}})
+    resolved, _ = resolve_auto(HF_ZERO2, fp32_base, 2)
+    assert resolved["bf16"]["enabled"] is False and resolved["fp16"]["enabled"] is False
+    cosine = {
+        "train_batch_size": 8,
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "cos_min_ratio": "auto"}},
+    }
+    assert translate(cosine, 1, BASE).scheduler.params["cos_min_ratio"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ({"train_batch_size": "auto"}, "train_batch_size"),
+        ({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu"),
+        ({"train_batch_size": 8, "gradient_clipping": "auto"}, "gradient_clipping"),
+        ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "optimizer.params.lr"),
+        ({"train_batch_size": 8, "bf16": {"enabled": "auto"}}, "bf16.enabled"),
+        (
+            {"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
+            "scheduler.params.total_num_steps",
+        ),
+    ],
+)
+def test_auto_without_a_base_names_the_key(config, key):
+    with pytest.raises(UserError, match=f"'{key}' = 'auto' has nothing to fill it.*--config"):
+        translate(config, 2)
+
+
+def test_auto_the_hf_trainer_cannot_fill_is_an_error_even_with_a_base():
+    with pytest.raises(UserError, match="'zero_optimization.stage' = 'auto' is not a value"):
+        translate({"train_batch_size": 8, "zero_optimization": {"stage": "auto"}}, 1, BASE)
+    with pytest.raises(UserError, match="'steps_per_print' = 'auto'"):
+        translate({"train_batch_size": 8, "steps_per_print": "auto"}, 1, BASE)
+    # Without a base, fixed fills still work and no-effect keys may stay "auto".
+    translation = translate(
+        {
+            "train_batch_size": 8,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto"}},
+            "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"},
+        },
+        1,
+    )
+    assert translation.scheduler.params["warmup_min_lr"] == 0 and translation.scheduler.params["warmup_max_lr"] == 1e-3
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Keys: rejected like DeepSpeed, no effect, cannot honour
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _pydantic_keys(model) -> set[str]:
+    return {name for name in model.model_fields} | {f.alias for f in model.model_fields.values() if f.alias}
+
+
+def test_strict_key_tables_match_deepspeed_models():
+    from deepspeed.comm.config import CommsLoggerConfig
+    from deepspeed.compile.config import CompileConfig
+    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+    from deepspeed.runtime.config import HybridEngineConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+
+    models = {
+        "zero_optimization": DeepSpeedZeroConfig,
+        "fp16": DeepSpeedFP16Config,
+        "bf16": DeepSpeedBF16Config,
+        "bfloat16": DeepSpeedBF16Config,
+        "tensorboard": TensorBoardConfig,
+        "csv_monitor": CSVConfig,
+        "wandb": WandbConfig,
+        "comet": CometConfig,
+        "comms_logger": CommsLoggerConfig,
+        "hybrid_engine": HybridEngineConfig,
+        "compile": CompileConfig,
+        "tensor_parallel": TPTrainingConfig,
+    }
+    assert set(ds_keys.STRICT_SECTIONS) == set(models)
+    for section, model in models.items():
+        assert ds_keys.STRICT_SECTIONS[section] == _pydantic_keys(model), section
+    assert ds_keys.OFFLOAD_PARAM_KEYS == _pydantic_keys(DeepSpeedZeroOffloadParamConfig)
+    assert ds_keys.OFFLOAD_OPTIMIZER_KEYS == _pydantic_keys(DeepSpeedZeroOffloadOptimizerConfig)
+    from deepspeed.runtime import config as ds_config_module
+
+    assert set(ds_keys.REMOVED_TOP_LEVEL) == set(ds_config_module._REMOVED_TOP_LEVEL_CONFIG_KEYS)
+    assert set(ds_keys.REMOVED_ZERO) == set(ds_config_module._REMOVED_ZERO_CONFIG_KEYS)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            {"zero_optimization": {"stage": 2, "overlap_com": True}},
+            "'zero_optimization.overlap_com'.*Did you mean 'zero_optimization.overlap_comm'",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin": True}}},
+            "'zero_optimization.offload_param.pin'",
+        ),
+        (
+            {"fp16": {"enabled": False, "initial_scale": 16}},
+            "'fp16.initial_scale'.*Did you mean 'fp16.initial_scale_power'",
+        ),
+        ({"bf16": {"enabled": True, "foo": 1}}, "'bf16.foo'"),
+        ({"tensorboard": {"enabled": True, "path": "x"}}, "'tensorboard.path'"),
+        ({"zero_optimization": {"stage": 4}}, "'zero_optimization.stage' = 4 is not a ZeRO stage"),
+        ({"zero_optimization": {"stage": 2, "mics_shard_size": 8}}, "'zero_optimization.mics_shard_size'.*MiCS"),
+        ({"amp": {"enabled": True}}, "'amp'.*rejected by DeepSpeed 0.19"),
+        ({"elasticity": {"enabled": True}}, "'elasticity'.*rejected"),
+        ({"compression_training": {}}, "'compression_training'.*compression"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "together with bf16.enabled"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "ratio"),
+        ({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}}, "'gradient_allreduce_op' = 'sum'"),
+    ],
+)
+def test_keys_deepspeed_rejects_are_rejected(extra, message, ds_batch):
+    config = {"train_batch_size": 8, **extra}
+    assert isinstance(ds_batch(config, 1), Exception), "DeepSpeed accepts it: the test case is wrong"
+    with pytest.raises(UserError, match=message):
+        translate(config, 1)
+
+
+def test_unknown_top_level_keys_are_noted_like_deepspeed_ignores_them(ds_batch):
+    config = {"train_batch_size": 8, "train_batch_sizee": 16}
+    assert ds_batch(config, 1) == (8, 8, 1)
+    assert any("'train_batch_sizee' is not a DeepSpeed key" in note for note in translate(config, 1).notes)
+
+
+def test_no_effect_keys_are_listed_once():
+    config = {
+        "train_batch_size": 8,
+        "zero_optimization": {
+            "stage": 2,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 5e8,
+            "allgather_bucket_size": 5e8,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True, "buffer_count": 4},
+            "offload_param": {"device": "cpu"},
+        },
+        "wall_clock_breakdown": False,
+        "prescale_gradients": False,
+        "flops_profiler": {"enabled": False},
+        "fp16": {"enabled": False, "loss_scale_window": 500},
+        "activation_checkpointing": {"partition_activations": False},
+    }
+    translation = translate(config, 2)
+    assert len(translation.no_effect) == len(set(translation.no_effect))
+    assert {
+        "zero_optimization.overlap_comm",
+        "zero_optimization.contiguous_gradients",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.allgather_bucket_size",
+        "zero_optimization.offload_optimizer.pin_memory",
+        "zero_optimization.offload_optimizer.buffer_count",
+        "zero_optimization.offload_param",
+        "wall_clock_breakdown",
+        "prescale_gradients",
+        "flops_profiler",
+        "fp16.loss_scale_window",
+        "activation_checkpointing.partition_activations",
+    } <= set(translation.no_effect)
+    assert not any("activation_checkpointing is not applied" in note for note in translation.notes)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+            "offload_param.device' = 'nvme' cannot be honoured.*NVMe",
+        ),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, "NVMe"),
+        (
+            {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}},
+            "'optimizer.type' = 'OneBitAdam' cannot be honoured.*1-bit",
+        ),
+        ({"optimizer": {"type": "ZeroOneAdam", "params": {}}}, "1-bit"),
+        ({"optimizer": {"type": "Lamb", "params": {}}}, "DeepSpeed's own optimizer kernels"),
+        ({"pipeline": {"stages": 2}}, "'pipeline'.*pipeline parallelism"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "quantized weight"),
+        ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "ZenFlow"),
+        ({"weight_quantization": {"quantized_initialization": {}}}, "quantized weights"),
+        ({"hybrid_engine": {"enabled": True}}, "hybrid"),
+        ({"data_efficiency": {"enabled": True}}, "curriculum"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "tensor parallelism"),
+        (
+            {"expert_parallel": {"enabled": True, "autoep_size": 4}},
+            "not supported yet.*parallel.expert_parallel_size=4",
+        ),
+        ({"gradient_allreduce_op": "sum"}, "averages gradients"),
+        ({"managed_gradient_accumulation": False}, "accumulation boundary"),
+        ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, "bias_correction"),
+        (
+            {"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}},
+            "'optimizer.params.max_grad_norm'.*gradient_clipping",
+        ),
+        ({"optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}}, "'optimizer.params.momentum'.*FusedAdam"),
+        ({"optimizer": {"type": "sgd", "params": {}}}, "Did you mean 'SGD'"),
+        ({"optimizer": {"type": "LBFGS", "params": {}}}, "closure"),
+        ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}, "'optimizer.params.betas'.*torch.optim.SGD"),
+        ({"communication_data_type": "fp16"}, "'communication_data_type' = 'fp16' is not supported yet"),
+        ({"torch_autocast": {"enabled": True, "dtype": "float16"}}, "torch_autocast.dtype"),
+        # DeepSpeed's engine (not its config class) rejects this one.
+        (
+            {"bf16": {"enabled": True}, "data_types": {"param_dtype": "fp32"}},
+            "'data_types.param_dtype' = 'fp32' conflicts",
+        ),
+    ],
+)
+def test_keys_we_cannot_honour_fail_with_the_reason(extra, message):
+    with pytest.raises(UserError, match=message):
+        translate({"train_batch_size": 8, **extra}, 1)
+
+
+def test_fp16_is_not_supported_yet_and_the_loss_scaling_is_translated():
+    config = {
+        "train_batch_size": 8,
+        "fp16": {
+            "enabled": True,
+            "initial_scale_power": 12,
+            "loss_scale_window": 500,
+            "hysteresis": 3,
+            "min_loss_scale": 4,
+        },
+    }
+    with pytest.raises(UserError) as error:
+        translate(config, 1)
+    text = str(error.value)
+    assert "'fp16.enabled' = True is not supported yet" in text and "bf16" in text
+    assert (
+        "2**12 = 4096" in text and "growth_interval=500" in text and "3 overflows" in text and "never below 4" in text
+    )
+    with pytest.raises(UserError, match="static loss scale of 128"):
+        translate({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale": 128}}, 1)
+
+
+def test_sequence_parallel_size_must_divide_and_is_not_supported_yet():
+    with pytest.raises(UserError, match="'sequence_parallel_size' = 3 does not divide the world size 4"):
+        translate({"train_batch_size": 8, "sequence_parallel_size": 3}, 4)
+    with pytest.raises(UserError, match="ulysses_parallel_size=2"):
+        translate({"train_batch_size": 8, "sequence_parallel_size": 2}, 4)
+    with pytest.raises(UserError, match="'data_parallel_size' = 4 is not world size / sequence_parallel_size"):
+        translate({"train_batch_size": 8, "sequence_parallel_size": 2, "data_parallel_size": 4}, 4)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Mapping
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _overrides(translation) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in translation.overrides)
+
+
+@pytest.mark.parametrize(
+    "zero, replicate, reshard, offload",
+    [
+        ({}, "4", "false", "false"),
+        ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "4", "false", "false"),
+        ({"stage": 1}, "1", "false", "false"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "1", "false", "true"),
+        ({"stage": 2, "offload_param": {"device": "cpu"}}, "1", "false", "false"),
+        ({"stage": 3}, "1", "true", "false"),
+        ({"stage": 3, "offload_param": {"device": "cpu"}}, "1", "true", "true"),
+        ({"stage": "3", "offload_optimizer": {"device": "none"}}, "1", "true", "false"),
+    ],
+)
+def test_zero_stage_and_offload_map_onto_the_fsdp_plan(zero, replicate, reshard, offload):
+    translation = translate({"train_batch_size": 16, "zero_optimization": zero}, 4)
+    overrides = _overrides(translation)
+    assert overrides["parallel.data_parallel_replicate_size"] == replicate
+    assert overrides["parallel.fsdp_plan.reshard_after_forward"] == reshard
+    assert overrides["parallel.fsdp_plan.cpu_offload"] == offload
+    assert translation.zero_stage == int(zero.get("stage", 0))
+    if offload == "true":
+        assert any("keeps the parameters on the device" in note for note in translation.notes)
+    config = translation.apply(Config())
+    assert config.parallel.fsdp_plan.cpu_offload is (offload == "true")
+
+
+def test_precision_clipping_logging_and_optimizer_mapping():
+    translation = translate(MEGATRON_STYLE, 8)
+    overrides = _overrides(translation)
+    assert translation.precision == "bf16" and overrides["parallel.fsdp_plan.param_dtype"] == "bf16"
+    assert overrides["parallel.fsdp_plan.reduce_dtype"] == "fp32"
+    assert overrides["training.on_nonfinite"] == "skip"
+    assert translation.clip == 1.0 and overrides["training.clip_grad"] == "1.0"
+    assert overrides["training.log_interval"] == "10"
+    assert translation.optimizer.type == "AdamW" and translation.optimizer.ds_type == "Adam"
+    assert translation.optimizer.kwargs == {"lr": 1.5e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
+    assert any("activation_checkpointing is not applied" in note for note in translation.notes)
+    config = translation.apply(BASE)
+    assert config.training.lr == 1.5e-4 and config.training.weight_decay == 0.01 and config.training.adam_beta2 == 0.95
+    assert config.training.micro_batch_size == 2 and config.training.gradient_accumulation_steps == 4
+    assert config.training.log_interval == 10
+    optimizer = translation.optimizer.build([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.95)
+
+    fp32 = translate({"train_batch_size": 8, "tensorboard": {"enabled": True}, "communication_data_type": "bf16"}, 1)
+    overrides = _overrides(fp32)
+    assert fp32.precision == "fp32" and overrides["parallel.fsdp_plan.param_dtype"] == "fp32"
+    assert overrides["parallel.fsdp_plan.reduce_dtype"] == "bf16" and overrides["training.tensorboard"] == "true"
+    assert "training.on_nonfinite" not in overrides
+
+
+def test_gradient_clipping_default_is_deepspeeds():
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    translation = translate({"train_batch_size": 8}, 1)
+    assert translation.clip == GRADIENT_CLIPPING_DEFAULT == 1.0
+    assert any("default 1.0" in note for note in translation.notes)
+    assert translate({"train_batch_size": 8, "gradient_clipping": 0.0}, 1).clip == 0.0
+
+
+def test_adam_modes_and_defaults_follow_deepspeed():
+    from deepspeed.ops.adam import FusedAdam
+
+    fused = inspect.signature(FusedAdam.__init__).parameters
+    spec = translate({"train_batch_size": 8, "optimizer": {"type": "adam", "params": {}}}, 1).optimizer
+    assert spec.type == "AdamW" and spec.adam_w_mode is True
+    assert spec.kwargs == {
+        key: (tuple(fused[key].default) if key == "betas" else fused[key].default)
+        for key in ("lr", "betas", "eps", "weight_decay")
+    }
+    adam = translate(
+        {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}}, 1
+    )
+    assert adam.optimizer.type == "Adam" and adam.optimizer.adam_w_mode is False
+    assert any("L2 weight decay" in note for note in adam.notes)
+    adamw = translate({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}, 1)
+    assert adamw.optimizer.type == "AdamW" and "optimizer.params.adam_w_mode" in adamw.no_effect
+    torch_adam = translate(
+        {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"torch_adam": True, "amsgrad": True}}}, 1
+    )
+    assert torch_adam.optimizer.kwargs["amsgrad"] is True
+    sgd = translate({"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}, 1)
+    assert sgd.optimizer.type == "SGD" and sgd.optimizer.kwargs == {"lr": 0.1, "momentum": 0.9}
+    assert isinstance(sgd.optimizer.build([torch.nn.Parameter(torch.zeros(1))]), torch.optim.SGD)
+    adagrad = translate({"train_batch_size": 8, "optimizer": {"type": "AdaGrad", "params": {}}}, 1).optimizer
+    assert adagrad.type == "Adagrad" and adagrad.lr == 0.01
+    default = translate({"train_batch_size": 8}, 1, BASE).optimizer
+    assert default.ds_type is None and default.kwargs["lr"] == 3e-4 and default.kwargs["betas"] == (0.9, 0.95)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Inputs and the explain command
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_dict_file_hjson_and_base64_inputs(tmp_path):
+    config = {"train_batch_size": 16, "zero_optimization": {"stage": 2}}
+    original = copy.deepcopy(config)
+    assert load_ds_config(config) == config
+    translate(config, 2)
+    assert config == original, "the caller's dict must not be modified"
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    assert load_ds_config(str(path)) == config and load_ds_config(path) == config
+    hjson_path = tmp_path / "ds.hjson"
+    hjson_path.write_text("{\n  # comment\n  train_batch_size: 16\n  zero_optimization: {stage: 2}\n}\n")
+    assert load_ds_config(hjson_path) == config
+    encoded = base64.urlsafe_b64encode(json.dumps(config).encode()).decode()
+    assert load_ds_config(encoded) == config
+    assert translate(encoded, 2).batch == translate(path, 2).batch == translate(config, 2).batch
+    duplicate = tmp_path / "dup.json"
+    duplicate.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(UserError, match="duplicate keys \\['train_batch_size'\\]"):
+        load_ds_config(duplicate)
+    with pytest.raises(UserError, match="neither an existing file nor base64"):
+        load_ds_config("missing_ds_config.json")
+    listing = tmp_path / "list.json"
+    listing.write_text("[1, 2]")
+    with pytest.raises(UserError, match="must hold a JSON object"):
+        load_ds_config(listing)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"train_batch_size": 8,, }')
+    with pytest.raises(UserError, match="neither JSON nor hjson"):
+        load_ds_config(broken)
+    with pytest.raises(UserError, match="is not a file"):
+        load_ds_config(tmp_path)
+
+
+def test_explain_prints_the_triple_and_the_full_mapping(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(HF_ZERO3))
+    base_path = tmp_path / "base.yaml"
+    base_path.write_text("training:\n  micro_batch_size: 2\n  gradient_accumulation_steps: 4\n  train_iters: 200\n")
+    assert main(["explain", str(path), "--world-size", "4", "--config", str(base_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Batch: train_batch_size 32 = micro 2 x accumulation 4 x data-parallel 4" in out
+    assert "ZeRO stage 3 -> FSDP2 sharded, reshard after forward" in out
+    assert "parallel.fsdp_plan.cpu_offload=true" in out and "zero_optimization.overlap_comm" in out
+    assert "Scheduler: WarmupDecayLR" in out and "keeps the parameters on the device" in out
+    assert main(["explain", str(path), "--world-size", "4", "--config", str(base_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["batch"] == {"train_batch_size": 32, "micro_batch_size": 2, "gradient_accumulation_steps": 4}
+    assert data["zero_stage"] == 3 and data["precision"] == "bf16"
+    assert data["scheduler"]["lr_at"]["0"] == 0 and "zero_optimization.sub_group_size" in data["no_effect"]
+    assert load_config(base_path).training.micro_batch_size == 2
+    assert main(["explain", str(path), "--world-size", "4"]) == 2
+    assert "'train_micro_batch_size_per_gpu' = 'auto' has nothing to fill it" in capsys.readouterr().err
