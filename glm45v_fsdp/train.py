@@ -57,6 +57,7 @@ def run(argv: list[str]) -> dict:
     source = resolve_load(config.training)  # path errors before any collective; build_model loads HF weights
     resume = source.path if source is not None and source.format == "dcp" else None
     runtime = build_runtime(config, local_rank_arg=args.local_rank)
+    finished = False
     try:
         setup_logging(runtime.env.rank)
         model, hf_config = build_model(config, runtime)
@@ -70,9 +71,10 @@ def run(argv: list[str]) -> dict:
         summary = trainer.run()
         if training.save_hf:
             export_final_weights(config, model, hf_config, tokenizer)
+        finished = True
         return summary
     finally:
-        shutdown()
+        shutdown(finished)
 
 
 def export_final_weights(config: Config, model: nn.Module, hf_config: object, tokenizer: object) -> None:

@@ -33,6 +33,7 @@ def test_wheel_ships_configs_and_finds_the_default_config_after_install(tmp_path
         capture_output=True,
     )
     probe = (
+        "import glm45v_fsdp.builders, glm45v_fsdp.trainer, glm45v_fsdp.tools.preflight, ds_compat.launcher; "
         "from glm45v_fsdp.config import default_config_path, load_config; "
         "print(default_config_path()); print(load_config().model.preset)"
     )

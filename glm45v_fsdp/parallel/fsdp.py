@@ -22,9 +22,9 @@ from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-# Glm4vMoeModel returns the vision tower's per-image embeddings as torch.split views; FSDP2 warns about any view
+# Glm4vMoeVisionModel / Glm4vMoeModel return the per-image embeddings as torch.split views; FSDP2 warns about any view
 # output because an in-place op on it would skip its hook. Nothing modifies them, so that one warning is noise.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGlm4vMoeModel\) returned a view tensor")
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGlm4vMoe(Vision)?Model\) returned a view tensor")
 
 
 def apply_fsdp(

@@ -293,7 +293,14 @@ def init_distributed(env: DistEnv, device: DeviceLayer, timeout_minutes: int = 3
     )
 
 
-def shutdown() -> None:
-    """Destroy the default process group, without a barrier; a no-op when none exists."""
+def shutdown(finished: bool = False) -> None:
+    """Destroy the default process group; a no-op when none exists.
+
+    `finished=True` (every rank got here after the same work) first waits for all ranks, so no rank tears its
+    connections down while a peer still uses them (gloo aborts a rank whose peer vanished mid-teardown). On error
+    paths a barrier could wait for a rank that is gone, so there is none.
+    """
     if dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
