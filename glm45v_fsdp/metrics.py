@@ -120,16 +120,24 @@ def check_outputs(training: TrainingConfig) -> None:
             "Config key 'training.tensorboard' = true but the tensorboard package is not installed. "
             "Install it (pip install 'glm45v-fsdp[tensorboard]') or set training.tensorboard=false."
         )
-    path = Path(training.output_dir).absolute()
+    check_writable_dir("training.output_dir", training.output_dir)
+
+
+def check_writable_dir(key: str, value: str) -> None:
+    """`value` (config key `key`) is a directory or can become one; nothing is left behind by the check."""
+    path = Path(value).expanduser().absolute()
     if path.exists() and not path.is_dir():
-        raise UserError(f"Config key 'training.output_dir' = '{training.output_dir}' is a file, not a directory.")
+        raise UserError(
+            f"Config key '{key}' = '{value}' is an existing file, not a directory. Choose a directory path (it is "
+            f"created when missing) or move the file away."
+        )
     existing = next(parent for parent in (path, *path.parents) if parent.exists())
-    try:  # a real probe: permission bits say little to root or on network file systems; it leaves nothing behind
+    try:  # a real probe: permission bits say little to root or on network file systems
         os.rmdir(tempfile.mkdtemp(prefix=".glm45v_probe_", dir=existing))
     except OSError as error:
         raise UserError(
-            f"Config key 'training.output_dir' = '{training.output_dir}' cannot be created: '{existing}' is not a "
-            f"writable directory ({error.strerror}). Choose a writable training.output_dir."
+            f"Config key '{key}' = '{value}' cannot be created: '{existing}' is not a writable directory "
+            f"({error.strerror}). Choose a writable path for {key}."
         ) from None
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from glm45v_fsdp.checkpoint.state import RNG_DIR, TRAINER_STATE_FILE, rng_file
 from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.metrics import check_writable_dir
 
 TMP_SUFFIX = ".tmp"
 LATEST_FILE = "latest"
@@ -140,23 +140,8 @@ def resolve_load(training: TrainingConfig) -> LoadSource | None:
 def check_save_targets(training: TrainingConfig) -> None:
     """Fail before any collective when training.save or training.save_hf cannot become a directory."""
     for key in ("save", "save_hf"):
-        value = getattr(training, key)
-        if value is None:
-            continue
-        path = Path(value).expanduser().absolute()
-        if path.exists() and not path.is_dir():
-            raise UserError(
-                f"Config key 'training.{key}' = '{value}' is an existing file, not a directory. Choose a directory "
-                f"path (it is created when missing) or move the file away."
-            )
-        existing = next(parent for parent in (path, *path.parents) if parent.exists())
-        try:  # a real probe, as for training.output_dir: permission bits say little to root or on network storage
-            os.rmdir(tempfile.mkdtemp(prefix=".glm45v_probe_", dir=existing))
-        except OSError as error:
-            raise UserError(
-                f"Config key 'training.{key}' = '{value}' cannot be created: '{existing}' is not a writable "
-                f"directory ({error.strerror}). Choose a writable path for training.{key}."
-            ) from None
+        if getattr(training, key) is not None:
+            check_writable_dir(f"training.{key}", getattr(training, key))
 
 
 # --------------------------------------------------------------------------------------------------------------
