@@ -268,7 +268,8 @@ class Trainer:
         """
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter() if started is None else started
-        with self.meter.track(self._live_state()):
+        # Only the CPU tracker needs the live tensors; the list is not built on the hot path otherwise.
+        with self.meter.track(self._live_state() if self.meter.kind == "tracked-tensors" else ()):
             loss, grad_norm, tokens, skipped = self.train_step(micro_batches)
             self.runtime.device.synchronize()
         return self._record(lr, (time.perf_counter() - start) * 1000.0, loss, grad_norm, tokens, skipped)
