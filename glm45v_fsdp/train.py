@@ -7,8 +7,10 @@ embedded tiny GLM-4.5V on built-in synthetic image-text data.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from glm45v_fsdp.errors import TrainingStopped, UserError
 
@@ -88,7 +90,17 @@ def export_final_weights(config: Config, model: nn.Module, hf_config: object, to
     get_logger().info("exported the final weights as HF safetensors to %s", config.training.save_hf)
 
 
+def end_process(code: int) -> NoReturn:
+    """Flush and end the process without the interpreter's teardown (see runtime.dist.shutdown): every output is
+    written and every rank has passed the final barrier by now."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run, then end the process (a finished run exits through `end_process`); user errors return 2, a stop 3."""
     try:
         run(sys.argv[1:] if argv is None else argv)
     except UserError as error:
@@ -97,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as error:
         print(f"glm45v-train: {error}", file=sys.stderr)
         return EXIT_STOPPED
-    return 0
+    end_process(0)
 
 
 if __name__ == "__main__":
