@@ -392,12 +392,13 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
     if scheduler is None:
         report.note(
             "no scheduler: DeepSpeed keeps the optimizer's lr constant unless the script passes one; the trainer keeps "
-            "its own training.lr_scheduler."
+            "its own training.lr_scheduler at the ds_config's lr, as the HF Trainer integration does."
         )
     else:
         report.note(
-            f"scheduler {scheduler.type}: the trainer must take the lr from Translation.scheduler.lr_at(step) "
-            "(training.lr_scheduler and lr_warmup_ratio do not express DeepSpeed's schedules)."
+            f"scheduler {scheduler.type}: the trainer sets the lr after each optimizer step from the ds_config's "
+            "schedule (Translation.scheduler.lr_at); training.lr_scheduler and lr_warmup_ratio are not used, and a "
+            "skipped step does not advance it."
         )
     sections.map_logging(ds, report)
     sections.map_activation_checkpointing(ds, report)

@@ -355,22 +355,34 @@ def map_logging(ds: dict, report: Report) -> None:
 
 
 def map_activation_checkpointing(ds: dict, report: Report) -> None:
-    """Noted, never refused: recompute and activation offload change memory, not the numerics."""
+    """A non-empty section switches on the recompute plan (full granularity, default apply_modules).
+
+    DeepSpeed recomputes only inside models that call deepspeed.checkpointing.checkpoint(); this engine recomputes
+    by plan, so the section's presence is the switch. Recompute changes memory and time, never the numerics.
+    """
     section = as_section("activation_checkpointing", ds.get("activation_checkpointing"))
     for key in section:
-        if key in ds_keys.ACTIVATION_CHECKPOINTING_KEYS:
-            report.ignore(f"activation_checkpointing.{key}")
-        else:
+        if key not in ds_keys.ACTIVATION_CHECKPOINTING_KEYS:
             report.note(
                 f"'activation_checkpointing.{key}' is not a DeepSpeed key: DeepSpeed ignores it, and so does this."
             )
-    if any(section.get(key) for key in ds_keys.ACTIVATION_CHECKPOINTING_KEYS):
+        elif key != "cpu_checkpointing":
+            report.ignore(f"activation_checkpointing.{key}")
+    if not section:
+        return
+    report.override("features.recompute.enabled", True)
+    report.note(
+        "activation_checkpointing -> features.recompute.enabled=true (full granularity; default plan: the vision "
+        "blocks and the text decoder layers). partition_activations has nothing to split without tensor "
+        "parallelism; the other keys tune DeepSpeed's own checkpointing buffers."
+    )
+    if as_bool("activation_checkpointing.cpu_checkpointing", section.get("cpu_checkpointing", False)):
         report.note(
-            "activation_checkpointing is not applied: DeepSpeed uses it only inside models that call "
-            "deepspeed.checkpointing.checkpoint(); this engine recomputes by its own plan (features.recompute), which "
-            "the section does not switch on, and has no counterpart yet for partition_activations (splitting over "
-            "tensor-parallel ranks) or cpu_checkpointing (activation offload). Same numerics; memory may differ."
+            "activation_checkpointing.cpu_checkpointing: the recomputed modules' saved inputs stay on the device "
+            "(this engine's activation offload is a separate switch, features.activation_offload)."
         )
+    elif "cpu_checkpointing" in section:
+        report.ignore("activation_checkpointing.cpu_checkpointing")
 
 
 def map_unsupported_features(ds: dict, report: Report) -> None:

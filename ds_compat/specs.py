@@ -197,7 +197,7 @@ def _adam_spec(lower: str, name: str, params: dict, report: Report) -> Optimizer
     if not adam_w_mode and kwargs["weight_decay"] > 0:
         report.note(
             "optimizer Adam with adam_w_mode false applies L2 weight decay (torch.optim.Adam), not AdamW's decoupled "
-            "decay: the trainer must build Translation.optimizer; training.weight_decay describes AdamW."
+            "decay: the trainer builds torch.optim.Adam from the ds_config (Translation.optimizer)."
         )
     if kwargs["weight_decay"] > 0:
         report.note(
@@ -250,8 +250,8 @@ def _torch_optimizer_spec(name: str, lower: str, params: dict, report: Report) -
     kwargs.setdefault("lr", signature["lr"].default)
     as_float("optimizer.params.lr", kwargs["lr"], minimum=0.0)
     report.note(
-        f"optimizer {name}: the trainer must build Translation.optimizer (torch.optim.{class_name}); the training.* "
-        "optimizer keys describe AdamW."
+        f"optimizer {name}: the trainer builds torch.optim.{class_name} from the ds_config (Translation.optimizer); "
+        "the training.adam_* keys do not apply."
     )
     return OptimizerSpec(class_name, kwargs, ds_type=name)
 

@@ -1,8 +1,17 @@
-"""AdamW and the learning-rate schedules (constant / linear / cosine with linear warmup and a floor)."""
+"""The optimizer and its learning-rate schedule.
+
+An `OptimizerRecipe` says which `torch.optim` class the trainer builds and how the lr (and Adam betas) move with the
+optimizer steps. Our own `training.*` keys give AdamW with a linear warmup and a constant / linear / cosine decay to
+`min_lr` (`recipe_from_training`); a DeepSpeed config gives its optimizer and schedule through ds_compat.
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,33 +20,20 @@ from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings; never biases or norm weights (1-D tensors), as HF Trainer and Megatron do."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if not param.requires_grad:
-            continue
-        (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
+@dataclass(frozen=True)
+class OptimizerRecipe:
+    """`optimizer`: a torch.optim class name; `kwargs`: its arguments (lr among them); `lr_after(k)`: the lr after k
+    optimizer steps (k = 0 before the first); `betas_after(k)`: Adam betas after k steps, or None to leave them."""
 
+    optimizer: str
+    kwargs: dict[str, Any]
+    lr_after: Callable[[int], float]
+    schedule: str
+    betas_after: Callable[[int], tuple[float, float] | None] | None = None
 
-def build_optimizer(model: nn.Module, training: TrainingConfig, fused: bool) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; `fused` uses the device's fused kernel (one launch per step)."""
-    groups = parameter_groups(model, training.weight_decay)
-    if not groups:
-        raise UserError(
-            "The model has no trainable parameters: model.freeze covers every module. "
-            "Remove some patterns from model.freeze."
-        )
-    return torch.optim.AdamW(
-        groups,
-        lr=training.lr,
-        betas=(training.adam_beta1, training.adam_beta2),
-        eps=training.adam_eps,
-        fused=fused or None,
-        foreach=None if fused else True,
-    )
+    def describe(self) -> str:
+        args = ", ".join(f"{key}={value!r}" for key, value in self.kwargs.items())
+        return f"torch.optim.{self.optimizer}({args}), schedule {self.schedule}"
 
 
 def lr_at(step: int, training: TrainingConfig) -> float:
@@ -56,11 +52,81 @@ def lr_at(step: int, training: TrainingConfig) -> float:
     return training.min_lr + (training.lr - training.min_lr) * factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """LambdaLR whose k-th value (k = 0 before the first step) is lr_at(k + 1) / lr."""
-    base = training.lr
+def recipe_from_training(training: TrainingConfig) -> OptimizerRecipe:
+    """AdamW with our schedule: the lr after k steps is the lr of step k + 1."""
+    kwargs = {
+        "lr": training.lr,
+        "betas": (training.adam_beta1, training.adam_beta2),
+        "eps": training.adam_eps,
+        "weight_decay": training.weight_decay,
+    }
+    schedule = f"{training.lr_scheduler} (warmup ratio {training.lr_warmup_ratio:g}, min_lr {training.min_lr:g})"
+    return OptimizerRecipe("AdamW", kwargs, lambda k: lr_at(k + 1, training), schedule)
 
-    def factor(index: int) -> float:
-        return lr_at(index + 1, training) / base if base else 0.0
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def parameter_groups(model: nn.Module, weight_decay: float | None) -> list[dict]:
+    """Decay matrices and embeddings; never biases or norm weights (1-D tensors), as HF Trainer and Megatron do.
+    Without a weight decay (an optimizer that has none) all trainable parameters form one group."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if weight_decay is None:
+        return [{"params": params}] if params else []
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def build_optimizer(model: nn.Module, recipe: OptimizerRecipe, fused: bool) -> torch.optim.Optimizer:
+    """The recipe's optimizer over the trainable parameters. `fused` uses the device's fused kernel where the class
+    has one (one launch per step), else the foreach implementation where it exists."""
+    groups = parameter_groups(model, recipe.kwargs.get("weight_decay"))
+    if not groups:
+        raise UserError(
+            "The model has no trainable parameters: model.freeze covers every module. "
+            "Remove some patterns from model.freeze."
+        )
+    cls = getattr(torch.optim, recipe.optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = dict(recipe.kwargs)
+    if fused and "fused" in accepted:
+        kwargs.setdefault("fused", True)
+    elif "foreach" in accepted:
+        kwargs.setdefault("foreach", True)
+    return cls(groups, **kwargs)
+
+
+class RecipeSchedule:
+    """Sets every group's lr (and betas, when the recipe moves them) to the recipe's value after each optimizer
+    step. Its state is the number of steps taken; `step()` is called only for steps the optimizer really took."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, recipe: OptimizerRecipe) -> None:
+        self.optimizer = optimizer
+        self.recipe = recipe
+        self.steps = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        lr = self.recipe.lr_after(self.steps)
+        betas = self.recipe.betas_after(self.steps) if self.recipe.betas_after is not None else None
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            if betas is not None:
+                group["betas"] = betas
+
+    def step(self) -> None:
+        self.steps += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps = int(state["steps"])
+        self._apply()
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, recipe: OptimizerRecipe) -> RecipeSchedule:
+    return RecipeSchedule(optimizer, recipe)

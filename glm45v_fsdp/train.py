@@ -1,15 +1,20 @@
-"""Entry point: `python -m glm45v_fsdp.train [--config C] [key.path=value ...]` (console script `glm45v-train`).
+"""Entry point: `python -m glm45v_fsdp.train [--config C] [--deepspeed ds_config.json] [key.path=value ...]`
+(console script `glm45v-train`).
 
 Runs as a single process or under any launcher (torchrun, deepspeed, srun, mpirun). With no arguments it trains the
-embedded tiny GLM-4.5V on built-in synthetic image-text data.
+embedded tiny GLM-4.5V on built-in synthetic image-text data. With `--deepspeed` (or `--deepspeed_config`) a
+DeepSpeed config supplies batch sizes, optimizer, scheduler, precision, sharding, clipping and recompute, and the
+YAML config the model and the data (ds_compat.trainer_door).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from glm45v_fsdp.errors import TrainingStopped, UserError
@@ -37,8 +42,50 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="set by the deepspeed launcher; must agree with LOCAL_RANK",
     )
+    deepspeed = parser.add_argument_group("DeepSpeed config (as the deepspeed launcher and HF Trainer pass it)")
+    deepspeed.add_argument(
+        "--deepspeed",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="DS_CONFIG",
+        help="ds_config.json to take batch, optimizer, scheduler, precision, ZeRO stage and clipping from "
+        "(a bare --deepspeed needs --deepspeed_config)",
+    )
+    deepspeed.add_argument("--deepspeed_config", default=None, help="ds_config.json (DeepSpeed's own flag)")
+    deepspeed.add_argument("--deepscale_config", default=None, help=argparse.SUPPRESS)  # DeepSpeed's old alias
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides applied after the YAML file")
-    return parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # launchers put their flags before or after the overrides
+    if isinstance(args.deepspeed, str) and "=" in args.deepspeed and not os.path.exists(args.deepspeed):
+        # A bare `--deepspeed` (DeepSpeed's own boolean flag) followed by an override took it as its value.
+        args.overrides.insert(0, args.deepspeed)
+        args.deepspeed = True
+    return args
+
+
+def deepspeed_config_path(args: argparse.Namespace) -> str | None:
+    """The ds_config named by --deepspeed PATH / --deepspeed_config PATH (they must agree), or None."""
+    from glm45v_fsdp.errors import UserError
+
+    named = {
+        flag: value
+        for flag, value in (
+            ("--deepspeed", args.deepspeed if isinstance(args.deepspeed, str) else None),
+            ("--deepspeed_config", args.deepspeed_config),
+            ("--deepscale_config", args.deepscale_config),
+        )
+        if value is not None
+    }
+    if len(set(named.values())) > 1:
+        raise UserError(
+            f"Two DeepSpeed configs were given: {', '.join(f'{k} {v}' for k, v in named.items())}. Pass one."
+        )
+    if args.deepspeed is True and not named:
+        raise UserError(
+            "--deepspeed was given without a config file. Pass --deepspeed ds_config.json or "
+            "--deepspeed_config ds_config.json."
+        )
+    return next(iter(named.values()), None)
 
 
 def run(argv: list[str]) -> dict:
@@ -54,6 +101,15 @@ def run(argv: list[str]) -> dict:
 
     args = parse_args(argv)
     config = load_config(args.config, args.overrides)
+    ds_run = None
+    ds_path = deepspeed_config_path(args)
+    if ds_path is not None:
+        from ds_compat.trainer_door import configure
+        from glm45v_fsdp.runtime import detect_dist_env
+
+        world_size = detect_dist_env(local_rank_arg=args.local_rank).world_size
+        ds_run = configure(ds_path, config, args.overrides, world_size)
+        config = ds_run.config
     check_outputs(config.training)
     check_save_targets(config.training)
     source = resolve_load(config.training)  # path errors before any collective; build_model loads HF weights
@@ -62,12 +118,14 @@ def run(argv: list[str]) -> dict:
     finished = False
     try:
         setup_logging(runtime.env.rank)
+        if ds_run is not None:
+            record_deepspeed_config(ds_run, runtime.is_main)
         model, hf_config = build_model(config, runtime)
         training = config.training
         global_batch = training.micro_batch_size * training.gradient_accumulation_steps * runtime.dp_size
         start_step = data_start_step(read_trainer_state(resume), global_batch) if resume else 0
         loader, tokenizer = build_data(config, runtime, hf_config, start_step=start_step)
-        trainer = Trainer(config, runtime, model, loader)
+        trainer = Trainer(config, runtime, model, loader, recipe=ds_run.recipe if ds_run is not None else None)
         if resume:
             trainer.resume(resume)
         summary = trainer.run()
@@ -77,6 +135,18 @@ def run(argv: list[str]) -> dict:
         return summary
     finally:
         shutdown(finished)
+
+
+def record_deepspeed_config(ds_run: object, is_main: bool) -> None:
+    """Log how the ds_config maps onto the engine and keep it (auto values filled) next to config.yaml."""
+    from glm45v_fsdp.log import get_logger
+
+    if not is_main:
+        return
+    get_logger().info("DeepSpeed config translated onto the FSDP2 engine:\n%s", ds_run.explain())
+    output_dir = Path(ds_run.config.training.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "ds_config.json").write_text(json.dumps(ds_run.translation.ds_config, indent=2) + "\n")
 
 
 def export_final_weights(config: Config, model: nn.Module, hf_config: object, tokenizer: object) -> None:

@@ -26,7 +26,7 @@ from glm45v_fsdp.errors import TrainingStopped, UserError
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.memory.chunk_loss import ChunkChoice, ChunkedLossHead
 from glm45v_fsdp.metrics import GIB, MetricsSink, StepRecord, format_line, format_summary, summarize
-from glm45v_fsdp.optim import build_optimizer, build_scheduler
+from glm45v_fsdp.optim import OptimizerRecipe, build_optimizer, build_scheduler, recipe_from_training
 from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
 from glm45v_fsdp.runtime import MemoryMeter
 
@@ -59,7 +59,15 @@ def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, config: Config, runtime: Runtime, model: nn.Module, loader: Any) -> None:
+    def __init__(
+        self,
+        config: Config,
+        runtime: Runtime,
+        model: nn.Module,
+        loader: Any,
+        recipe: OptimizerRecipe | None = None,
+    ) -> None:
+        """`recipe` (default: from training.*) names the optimizer and its schedule; ds_compat passes a ds_config's."""
         self.config = config
         self.runtime = runtime
         self.model = model
@@ -67,9 +75,9 @@ class Trainer:
         self.log = get_logger()
         training = config.training
         self.parameters = [p for p in model.parameters() if p.requires_grad]
-        fused = runtime.device.has_fused_adamw()
-        self.optimizer = build_optimizer(model, training, fused=fused)
-        self.scheduler = build_scheduler(self.optimizer, training)
+        self.recipe = recipe if recipe is not None else recipe_from_training(training)
+        self.optimizer = build_optimizer(model, self.recipe, fused=runtime.device.has_fused_adamw())
+        self.scheduler = build_scheduler(self.optimizer, self.recipe)
         track = training.track_memory if training.track_memory is not None else runtime.device.type != "cpu"
         self.meter = MemoryMeter(runtime.device, enabled=track)
         self.precision = compute_precision(model, config.parallel.fsdp_plan, runtime.device.type)
@@ -92,11 +100,10 @@ class Trainer:
             BatchDumper(self.output_dir, runtime.env.rank, training.dump_batches) if training.dump_batches else None
         )
         self.log.info(
-            "optimizer: AdamW (%s) | schedule %s warmup %.2f | loss %s, kernel: %s | "
-            "memory figure: %s | global batch %d = micro %d x accumulation %d x dp %d",
-            "fused" if fused else "foreach",
-            training.lr_scheduler,
-            training.lr_warmup_ratio,
+            "optimizer: %s (%s) | loss %s, kernel: %s | memory figure: %s | global batch %d = micro %d x "
+            "accumulation %d x dp %d",
+            self.recipe.describe(),
+            next((kind for kind in ("fused", "foreach") if self.optimizer.defaults.get(kind)), "single-tensor"),
             training.loss_type,
             "full-logits cross-entropy"
             if self.chunk_head is None

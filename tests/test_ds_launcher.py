@@ -350,16 +350,6 @@ def launch(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_real_local_training_run(tmp_path):
-    out = tmp_path / "run"
-    overrides = ["training.train_iters=3", f"training.output_dir={out}", "training.progress_bar=false"]
-    result = launch("--num_gpus", "2", "--module", "glm45v_fsdp.train", *overrides)
-    assert result.returncode == 0, result.stderr[-4000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [record["step"] for record in records] == [1, 2, 3]
-    assert all(len(record["ms_per_iter_per_rank"]) == 2 for record in records)
-
-
 def test_failing_rank_fails_the_job(tmp_path):
     script = tmp_path / "fail_on_rank1.py"
     script.write_text(

@@ -150,7 +150,7 @@ def _storage_bytes(tensors) -> int:
 
 def _allocation_worker(rank: int, port: int, out_dir: str) -> None:
     from glm45v_fsdp.builders import build_data, build_model, build_runtime
-    from glm45v_fsdp.optim import build_optimizer
+    from glm45v_fsdp.optim import build_optimizer, recipe_from_training
     from glm45v_fsdp.runtime import shutdown
 
     torch.set_num_threads(1)
@@ -164,7 +164,7 @@ def _allocation_worker(rank: int, port: int, out_dir: str) -> None:
     runtime = build_runtime(config)
     model, hf_config = build_model(config, runtime)
     loader, _ = build_data(config, runtime, hf_config)
-    optimizer = build_optimizer(model, config.training, fused=False)
+    optimizer = build_optimizer(model, recipe_from_training(config.training), fused=False)
     loss_sum, tokens = model(next(iter(loader)))
     (loss_sum / tokens).backward()
     optimizer.step()
