@@ -199,7 +199,11 @@ def resolve_auto(ds: dict, base: Config | None, dp_world_size: int) -> tuple[dic
         ),
         ("bf16.enabled", "parallel.fsdp_plan.param_dtype", lambda: bf16),
         ("bfloat16.enabled", "parallel.fsdp_plan.param_dtype", lambda: bf16),
-        ("fp16.enabled", "our engine has no fp16 path", lambda: None if base is None else False),
+        (
+            "fp16.enabled",
+            "parallel.fsdp_plan.param_dtype",
+            lambda: None if base is None else base.parallel.fsdp_plan.param_dtype == "fp16",
+        ),
     ]
     for path, source, compute in fillers:
         node, leaf = _parent(ds, path)

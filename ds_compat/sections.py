@@ -16,7 +16,6 @@ from ds_compat._common import (
     as_int,
     as_section,
     check_keys,
-    is_number,
     key_error,
 )
 from glm45v_fsdp.errors import UserError
@@ -204,26 +203,54 @@ def map_zero(ds: dict, dp: int, report: Report) -> int:
     return stage
 
 
-def _fp16_error(fp16: dict) -> UserError:
-    """fp16 is not supported yet; the message says what DeepSpeed's loss scaling would have been."""
-    static = fp16.get("loss_scale", 0)
-    if is_number(static) and static > 0:
-        scaling = f"a static loss scale of {static}"
-    else:
-        power = fp16.get("initial_scale_power", 16)
-        initial = 2**power if isinstance(power, int) else power
-        window = fp16.get("loss_scale_window", 1000)
-        scaling = (
-            f"dynamic loss scaling from 2**{power} = {initial}, doubled after {window} steps without overflow and "
-            f"halved after {fp16.get('hysteresis', 2)} overflows (hysteresis), never below "
-            f"{fp16.get('min_loss_scale', 1)}: torch.amp.GradScaler(init_scale={initial}, growth_interval={window}) "
-            "without the hysteresis and the floor"
+FP16_SCALING_KEYS = (
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+)
+
+
+def map_fp16(fp16: dict, report: Report) -> None:
+    """fp16 -> FSDP2 fp16 compute with fp32 master weights and DeepSpeed's loss scaler (glm45v_fsdp.loss_scale)."""
+    static = as_float("fp16.loss_scale", fp16.get("loss_scale", 0), minimum=0.0)
+    power = as_int("fp16.initial_scale_power", fp16.get("initial_scale_power", 16), minimum=0)
+    window = as_int("fp16.loss_scale_window", fp16.get("loss_scale_window", 1000))
+    hysteresis = as_int("fp16.hysteresis", fp16.get("hysteresis", 2), minimum=1)
+    consecutive = as_bool("fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False))
+    floor = as_float("fp16.min_loss_scale", fp16.get("min_loss_scale", 1))
+    if static == 0 and window <= 0:
+        raise key_error(
+            "fp16.loss_scale_window",
+            window,
+            "must be > 0 for dynamic loss scaling, as DeepSpeed says",
+            "Write a positive integer.",
         )
-    return not_yet(
-        "fp16.enabled",
-        True,
-        f"the FSDP2 engine has no fp16 path (bf16 and fp32 only); DeepSpeed would use {scaling}",
-        'Use "bf16": {"enabled": true} instead, or set fp16.enabled to false for fp32.',
+    if static == 0 and floor <= 0:
+        raise key_error(
+            "fp16.min_loss_scale",
+            floor,
+            "must be > 0 for dynamic loss scaling, as DeepSpeed says",
+            "Write a positive number.",
+        )
+    report.override("training.loss_scale.static_scale", static)
+    if static == 0:
+        report.override("training.loss_scale.initial_scale_power", power)
+        report.override("training.loss_scale.window", window)
+        report.override("training.loss_scale.hysteresis", hysteresis)
+        report.override("training.loss_scale.consecutive_hysteresis", consecutive)
+        report.override("training.loss_scale.min_scale", floor)
+    else:
+        for key in FP16_SCALING_KEYS[1:]:
+            if key in fp16:
+                report.ignore(f"fp16.{key}")
+    report.note(
+        "fp16 -> parallel.fsdp_plan.param_dtype=fp16: FSDP2 computes in fp16 and keeps fp32 master weights, "
+        "gradients and optimizer states; the loss is scaled as DeepSpeed does (dynamic: from 2**initial_scale_power, "
+        "halved after hysteresis overflows, doubled after loss_scale_window good steps, stop at min_loss_scale); an "
+        "overflowing step is skipped and does not advance the schedule."
     )
 
 
@@ -240,14 +267,14 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
             "fp16.enabled", True, f"is set together with {bf16_key}.enabled, which DeepSpeed rejects", "Keep one."
         )
     if fp16_on:
-        raise _fp16_error(fp16)
+        map_fp16(fp16, report)
     autocast_dtype = _DTYPES.get(str(autocast.get("dtype", "bf16")).lower())
     if autocast_on and autocast_dtype != "bf16":
         raise not_yet(
             "torch_autocast.dtype",
             autocast.get("dtype"),
-            "the FSDP2 engine computes in bf16 or fp32 only",
-            'Use "bfloat16".',
+            "torch_autocast maps to bf16 FSDP2 mixed precision only",
+            'Use "bfloat16", or "fp16": {"enabled": true} for fp16 with loss scaling.',
         )
     for section, name, key in (
         (fp16, "fp16", "fp16_master_weights_and_grads"),
@@ -264,14 +291,18 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
         raise key_error(
             f"{bf16_key}.bf16_optimizer_states", True, "needs bf16_master_weights_and_grads in DeepSpeed", "Remove it."
         )
-    precision = "bf16" if bf16_on or autocast_on else "fp32"
+    precision = "fp16" if fp16_on else "bf16" if bf16_on or autocast_on else "fp32"
     report.override("parallel.fsdp_plan.param_dtype", precision)
     if precision == "fp32":
         report.note('precision fp32: DeepSpeed trains in fp32 unless bf16 is enabled (add "bf16": {"enabled": true}).')
-    mapped = {"enabled", "check_grad_overflow"} if bf16_on else {"enabled"}
+    mapped = {
+        "fp16": {"enabled", *FP16_SCALING_KEYS} if fp16_on else {"enabled"},
+        bf16_key: {"enabled", "check_grad_overflow"} if bf16_on else {"enabled"},
+        "torch_autocast": {"enabled"},
+    }
     for name, section in (("fp16", fp16), (bf16_key, bf16), ("torch_autocast", autocast)):
         for key in section:
-            if key not in mapped:
+            if key not in mapped[name]:
                 report.ignore(f"{name}.{key}")
     if bf16_on and as_bool(f"{bf16_key}.check_grad_overflow", bf16.get("check_grad_overflow", True)):
         report.override("training.on_nonfinite", "skip")
@@ -287,17 +318,15 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
     comm = ds.get("communication_data_type")
     if comm is None:
         report.override("parallel.fsdp_plan.reduce_dtype", "fp32")
-        if precision == "bf16":
+        if precision != "fp32":
             report.note(
-                "gradient reduction in fp32: DeepSpeed reduces bf16 gradients in bf16 unless communication_data_type "
-                'says otherwise (set it to "bf16" for DeepSpeed\'s behaviour).'
+                f"gradient reduction in fp32: DeepSpeed reduces {precision} gradients in {precision} unless "
+                f'communication_data_type says otherwise (set it to "{precision}" for DeepSpeed\'s behaviour).'
             )
     else:
         reduce = _DTYPES.get(str(comm).lower())
         if str(comm).lower() not in ("fp32", "bf16", "fp16"):
             raise key_error("communication_data_type", comm, "is rejected by DeepSpeed", 'Write "fp32" or "bf16".')
-        if reduce == "fp16":
-            raise not_yet("communication_data_type", comm, "fp16 gradient reduction", 'Write "fp32" or "bf16".')
         report.override("parallel.fsdp_plan.reduce_dtype", reduce)
     data_types = as_section("data_types", ds.get("data_types"))
     for key, value in data_types.items():

@@ -19,7 +19,7 @@ import yaml
 
 from glm45v_fsdp.errors import UserError
 
-DTypeName = Literal["bf16", "fp32"]
+DTypeName = Literal["bf16", "fp16", "fp32"]
 
 
 @dataclass
@@ -111,6 +111,21 @@ class FeaturesConfig:
 
 
 @dataclass
+class LossScaleConfig:
+    """fp16 loss scaling (used only with parallel.fsdp_plan.param_dtype=fp16), DeepSpeed's fp16 section's rules."""
+
+    # 0 = dynamic scaling; > 0 = this fixed scale.
+    static_scale: float = 0.0
+    initial_scale_power: int = 16
+    # Good steps before the scale doubles.
+    window: int = 1000
+    # Overflows tolerated before the scale halves.
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_scale: float = 1.0
+
+
+@dataclass
 class TrainingConfig:
     train_iters: int = 100
     micro_batch_size: int = 1
@@ -129,6 +144,7 @@ class TrainingConfig:
     # What a NaN/inf loss or grad norm does: skip the optimizer step and count it, or stop the run.
     on_nonfinite: Literal["skip", "stop"] = "skip"
     max_skipped_steps: int = 10
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     seed: int = 1234
     deterministic: bool = False
     device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
@@ -438,6 +454,17 @@ def validate(config: Config) -> None:
     _require(t.adam_eps > 0, "training.adam_eps", t.adam_eps, "> 0")
     _require(t.clip_grad >= 0, "training.clip_grad", t.clip_grad, ">= 0 (0 disables clipping)")
     _require(t.max_skipped_steps >= 0, "training.max_skipped_steps", t.max_skipped_steps, ">= 0")
+    scale = t.loss_scale
+    _require(scale.static_scale >= 0, "training.loss_scale.static_scale", scale.static_scale, ">= 0 (0 = dynamic)")
+    _require(scale.window >= 1, "training.loss_scale.window", scale.window, "an integer >= 1")
+    _require(scale.hysteresis >= 1, "training.loss_scale.hysteresis", scale.hysteresis, "an integer >= 1")
+    _require(scale.min_scale > 0, "training.loss_scale.min_scale", scale.min_scale, "> 0")
+    _require(
+        0 <= scale.initial_scale_power <= 64,
+        "training.loss_scale.initial_scale_power",
+        scale.initial_scale_power,
+        "an integer in [0, 64]",
+    )
     _require(
         0 <= t.stats_start_step <= t.train_iters,
         "training.stats_start_step",

@@ -24,6 +24,7 @@ from glm45v_fsdp.config import Config, dump_yaml
 from glm45v_fsdp.data.dump import BatchDumper
 from glm45v_fsdp.errors import TrainingStopped, UserError
 from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.loss_scale import LossScaler
 from glm45v_fsdp.memory.chunk_loss import ChunkChoice, ChunkedLossHead
 from glm45v_fsdp.metrics import GIB, MetricsSink, StepRecord, format_line, format_summary, summarize
 from glm45v_fsdp.optim import OptimizerRecipe, build_optimizer, build_scheduler, recipe_from_training
@@ -81,6 +82,10 @@ class Trainer:
         track = training.track_memory if training.track_memory is not None else runtime.device.type != "cpu"
         self.meter = MemoryMeter(runtime.device, enabled=track)
         self.precision = compute_precision(model, config.parallel.fsdp_plan, runtime.device.type)
+        fp16 = config.parallel.fsdp_plan.param_dtype == "fp16"
+        self.scaler = LossScaler(training.loss_scale) if fp16 else None
+        if self.scaler is not None:
+            self.log.info("fp16: %s", self.scaler.describe())
         self.hsdp = is_sharded(model) and runtime.dims.dp_replicate > 1
         head = model.get_submodule("lm_head")
         self.chunk_head = head if isinstance(head, ChunkedLossHead) else None
@@ -126,6 +131,7 @@ class Trainer:
             "global_batch_size": self.global_batch_size,
             "world_size": self.runtime.env.world_size,
             "config": dump_yaml(self.config),
+            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
     def resume(self, checkpoint: Path) -> None:
@@ -139,6 +145,8 @@ class Trainer:
         if not diff.ok:
             self.log.warning("resume: not loaded (training.load_strict=false): %s", describe_diff(diff))
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr  # the optimizer's own state holds it too, but not under no_load_optim
         self.step = state["step"]
@@ -215,6 +223,7 @@ class Trainer:
         if failed_ranks:
             raise UserError("Another data-parallel rank stopped on a data error; its message is in that rank's output.")
         global_valid_tensor = torch.tensor(global_valid, device=self.runtime.torch_device)
+        loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         report_loss = torch.zeros((), dtype=torch.float64, device=self.runtime.torch_device)
         for index, batch in enumerate(micro_batches):
             if self.hsdp:
@@ -226,29 +235,42 @@ class Trainer:
             if self.chunk_head is not None:
                 self.chunk_trace.append(self.chunk_head.last_choice)
             scale = micro_loss_scale(training.loss_type, valid, global_valid_tensor, accumulation, self.runtime.dp_size)
-            (ce_sum * scale).backward()
+            (ce_sum * (scale * loss_scale)).backward()
             report_loss += (ce_sum.detach() * scale).double()
         loss, tokens = self._dp_all_reduce([report_loss, local_tokens])
-        grad_norm = total_grad_norm(self.parameters)
-        if training.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.parameters, training.clip_grad, grad_norm, foreach=True)
-        grad_norm_value = float(grad_norm)
+        grad_norm_value = float(total_grad_norm(self.parameters)) / loss_scale
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm_value))
         if skipped:
-            self.skipped_steps += 1
-            reason = f"loss {loss} / grad norm {grad_norm_value} at step {self.step + 1}"
-            if training.on_nonfinite == "stop" or self.skipped_steps > training.max_skipped_steps:
-                raise TrainingStopped(
-                    f"Training stopped: non-finite {reason} (training.on_nonfinite={training.on_nonfinite}, "
-                    f"{self.skipped_steps} skipped step(s), training.max_skipped_steps={training.max_skipped_steps}). "
-                    f"Lower training.lr, check the data, or use fp32 (parallel.fsdp_plan.param_dtype=fp32)."
-                )
-            self.log.warning("skipping the optimizer step: non-finite %s", reason)
+            self._skip_step(loss, grad_norm_value)
         else:
+            if loss_scale != 1.0:
+                torch._foreach_mul_([p.grad for p in self.parameters if p.grad is not None], 1.0 / loss_scale)
+            if training.clip_grad > 0:
+                norm = torch.tensor(grad_norm_value, device=self.runtime.torch_device)
+                torch.nn.utils.clip_grads_with_norm_(self.parameters, training.clip_grad, norm, foreach=True)
             self.optimizer.step()
             self.scheduler.step()
+        if self.scaler is not None:
+            self.scaler.update(overflow=skipped)
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm_value, int(tokens), skipped
+
+    def _skip_step(self, loss: float, grad_norm: float) -> None:
+        """A step with a non-finite loss or gradient norm: an fp16 overflow is the loss scaler's business (it halves
+        the scale, and stops the run at its floor); otherwise training.on_nonfinite and max_skipped_steps decide."""
+        training = self.config.training
+        self.skipped_steps += 1
+        reason = f"loss {loss} / grad norm {grad_norm} at step {self.step + 1}"
+        if self.scaler is not None:
+            self.log.info("fp16 gradient overflow at loss scale %g: step %d skipped", self.scaler.scale, self.step + 1)
+            return
+        if training.on_nonfinite == "stop" or self.skipped_steps > training.max_skipped_steps:
+            raise TrainingStopped(
+                f"Training stopped: non-finite {reason} (training.on_nonfinite={training.on_nonfinite}, "
+                f"{self.skipped_steps} skipped step(s), training.max_skipped_steps={training.max_skipped_steps}). "
+                f"Lower training.lr, check the data, or use fp32 (parallel.fsdp_plan.param_dtype=fp32)."
+            )
+        self.log.warning("skipping the optimizer step: non-finite %s", reason)
 
     def _next_micro_batches(self, iterator: Iterator[Batch]) -> list[Batch]:
         """The step's micro batches. A data error here stops every rank: the failing rank first tells the others
@@ -288,6 +310,10 @@ class Trainer:
         trace, self.chunk_trace = self.chunk_trace, []
         return {"chunk_size": [c.chunk_size for c in trace], "chunk_count": [c.chunks for c in trace]}
 
+    def _loss_scale_metrics(self) -> dict[str, float]:
+        """fp16: the loss scale the next step runs with (after this step's update)."""
+        return {"loss_scale": self.scaler.scale} if self.scaler is not None else {}
+
     def _record(self, lr: float, ms: float, loss: float, grad_norm: float, tokens: int, skipped: bool) -> StepRecord:
         self.step += 1
         self.consumed_samples += self.global_batch_size
@@ -309,7 +335,7 @@ class Trainer:
             skipped_steps_total=self.skipped_steps,
             ms_per_iter_per_rank=ms_ranks,
             mem_peak_per_rank_gib=mem_ranks,
-            extra=self._chunk_metrics(),
+            extra={**self._chunk_metrics(), **self._loss_scale_metrics()},
         )
         self.records.append(record)
         if self.runtime.is_main:

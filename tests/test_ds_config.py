@@ -714,7 +714,6 @@ def test_no_effect_keys_are_listed_once():
         ({"optimizer": {"type": "sgd", "params": {}}}, "Did you mean 'SGD'"),
         ({"optimizer": {"type": "LBFGS", "params": {}}}, "closure"),
         ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}, "'optimizer.params.betas'.*torch.optim.SGD"),
-        ({"communication_data_type": "fp16"}, "'communication_data_type' = 'fp16' is not supported yet"),
         ({"torch_autocast": {"enabled": True, "dtype": "float16"}}, "torch_autocast.dtype"),
         # DeepSpeed's engine (not its config class) rejects this one.
         (
@@ -728,7 +727,7 @@ def test_keys_we_cannot_honour_fail_with_the_reason(extra, message):
         translate({"train_batch_size": 8, **extra}, 1)
 
 
-def test_fp16_is_not_supported_yet_and_the_loss_scaling_is_translated():
+def test_fp16_maps_to_fp16_compute_and_deepspeeds_loss_scaler():
     config = {
         "train_batch_size": 8,
         "fp16": {
@@ -737,17 +736,28 @@ def test_fp16_is_not_supported_yet_and_the_loss_scaling_is_translated():
             "loss_scale_window": 500,
             "hysteresis": 3,
             "min_loss_scale": 4,
+            "auto_cast": False,
         },
+        "communication_data_type": "fp16",
     }
-    with pytest.raises(UserError) as error:
-        translate(config, 1)
-    text = str(error.value)
-    assert "'fp16.enabled' = True is not supported yet" in text and "bf16" in text
-    assert (
-        "2**12 = 4096" in text and "growth_interval=500" in text and "3 overflows" in text and "never below 4" in text
+    translation = translate(config, 1)
+    overrides = _overrides(translation)
+    assert translation.precision == "fp16" and overrides["parallel.fsdp_plan.param_dtype"] == "fp16"
+    assert overrides["parallel.fsdp_plan.reduce_dtype"] == "fp16"
+    assert "fp16.auto_cast" in translation.no_effect
+    scale = translation.apply(BASE).training.loss_scale
+    assert (scale.static_scale, scale.initial_scale_power, scale.window, scale.hysteresis, scale.min_scale) == (
+        0.0,
+        12,
+        500,
+        3,
+        4.0,
     )
-    with pytest.raises(UserError, match="static loss scale of 128"):
-        translate({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale": 128}}, 1)
+    static = translate({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale": 128, "hysteresis": 5}}, 1)
+    assert static.apply(BASE).training.loss_scale.static_scale == 128.0
+    assert "fp16.hysteresis" in static.no_effect
+    with pytest.raises(UserError, match="'fp16.loss_scale_window' = 0"):
+        translate({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale_window": 0}}, 1)
 
 
 def test_sequence_parallel_size_must_divide_and_is_not_supported_yet():

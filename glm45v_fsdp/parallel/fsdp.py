@@ -20,7 +20,7 @@ from glm45v_fsdp.config import FsdpPlanConfig
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Glm4vMoeVisionModel / Glm4vMoeModel return the per-image embeddings as torch.split views; FSDP2 warns about any view
 # output because an in-place op on it would skip its hook. Nothing modifies them, so that one warning is noise.
