@@ -64,7 +64,7 @@ def test_overrides_merge_onto_yaml_dicts(tmp_path):
         ("training.micro_batch_size=0", "'training.micro_batch_size' = 0 is invalid"),
         ("training.micro_batch_size=two", "'training.micro_batch_size' expects int"),
         ("training.lr=fast", "'training.lr' expects float"),
-        ("parallel.fsdp_plan.param_dtype=fp16", "Did you mean 'bf16'"),
+        ("parallel.fsdp_plan.param_dtype=fp8", "is not one of ['bf16', 'fp16', 'fp32']"),
         ("training.lr_scheduler=cosin", "Did you mean 'cosine'"),
         ("training.deterministic=maybe", "'training.deterministic' expects bool"),
         ("training.lr", "has no '='"),
