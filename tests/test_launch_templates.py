@@ -119,6 +119,27 @@ def test_deepspeed_hostfile_template_dry_run(stand_ins):
         assert node["command"][-6:] == [*tail, "training.train_iters=5"]
     assert report["command"][:6] == ["pdsh", "-S", "-f", "1024", "-w", "worker-0,worker-1"]
     assert f"cd {REPO};" in report["command"][-1]
+    with_ds = started(
+        [str(LAUNCH / "deepspeed_hostfile.sh")],
+        env,
+        LAUNCHER=launcher,
+        LAUNCHER_FLAGS="--dry_run",
+        DS_CONFIG="launch/ds_config_zero3_bf16.json",
+    )
+    assert with_ds["nodes"][0]["command"][-2:] == ["--deepspeed", "launch/ds_config_zero3_bf16.json"]
+
+
+@pytest.mark.parametrize("world_size", [1, 8, 128])
+def test_example_ds_config_translates_for_the_default_and_106b_configs(world_size):
+    from ds_compat.config import translate
+    from glm45v_fsdp.config import load_config
+
+    for config in ("configs/glm45v_tiny.yaml", "configs/glm45v_106b_sft.yaml"):
+        base = load_config(str(REPO / config))
+        translation = translate(LAUNCH / "ds_config_zero3_bf16.json", world_size, base)
+        assert translation.zero_stage == 3 and translation.precision == "bf16"
+        assert translation.batch.micro_batch_size == base.training.micro_batch_size
+        assert translation.scheduler.lr_at(base.training.train_iters) == pytest.approx(base.training.min_lr)
 
 
 def test_slurm_template_runs_one_torchrun_per_node(stand_ins):
