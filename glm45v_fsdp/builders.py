@@ -21,6 +21,7 @@ from glm45v_fsdp.config import Config
 from glm45v_fsdp.data import GlobalBatchSampler, build_dataloader, build_dataset, load_image_processor, load_tokenizer
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.memory.chunk_loss import apply_chunk_loss
+from glm45v_fsdp.memory.offload import apply_activation_offload, describe_offload
 from glm45v_fsdp.memory.recompute import apply_recompute
 from glm45v_fsdp.model import (
     REQUIRED_FSDP_UNITS,
@@ -96,6 +97,10 @@ def build_model(config: Config, runtime: Runtime) -> tuple[nn.Module, object]:
         log.info(format_matches("freeze", apply_freeze(model, config.model.freeze)))
     if config.features.recompute.enabled:
         log.info(format_matches("recompute", apply_recompute(model, config.features.recompute)))
+    if config.features.activation_offload.enabled:
+        offload = config.features.activation_offload
+        log.info(format_matches("activation_offload", apply_activation_offload(model, offload, runtime.device)))
+        log.info(describe_offload(offload, runtime.device))
     if config.features.chunk_loss.mode != "off":
         log.info(format_matches("chunk_loss", apply_chunk_loss(model, config.features.chunk_loss)))
     matches = apply_fsdp(

@@ -103,11 +103,24 @@ class RecomputeConfig:
 
 
 @dataclass
+class ActivationOffloadConfig:
+    enabled: bool = False
+    apply_modules: list[str] = field(
+        default_factory=lambda: ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
+    )
+    # Saved tensors smaller than this stay on the device: below ~1 MiB a copy's fixed cost (launch, event, pinned
+    # allocation) outweighs the bytes it frees, and the large activations (hidden states, attention and MoE buffers
+    # of multi-MiB each at real sizes) carry nearly all the memory.
+    min_tensor_bytes: int = 1 << 20
+
+
+@dataclass
 class FeaturesConfig:
-    """Memory and speed switches; activation offload is added here when it lands."""
+    """Memory and speed switches."""
 
     chunk_loss: ChunkLossConfig = field(default_factory=ChunkLossConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    activation_offload: ActivationOffloadConfig = field(default_factory=ActivationOffloadConfig)
 
 
 @dataclass
@@ -530,6 +543,20 @@ def validate(config: Config) -> None:
             "features.recompute.use_reentrant",
             True,
             "false with granularity=selective (selective recompute needs the non-reentrant checkpoint)",
+        )
+    offload = config.features.activation_offload
+    _require(
+        offload.min_tensor_bytes >= 0,
+        "features.activation_offload.min_tensor_bytes",
+        offload.min_tensor_bytes,
+        "an integer >= 0 (saved tensors smaller than this stay on the device)",
+    )
+    if offload.enabled:
+        _require(
+            bool(offload.apply_modules),
+            "features.activation_offload.apply_modules",
+            [],
+            "a non-empty list of patterns",
         )
 
 

@@ -26,6 +26,7 @@ from glm45v_fsdp.errors import TrainingStopped, UserError
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.loss_scale import LossScaler
 from glm45v_fsdp.memory.chunk_loss import ChunkChoice, ChunkedLossHead
+from glm45v_fsdp.memory.offload import find_offload_runtime
 from glm45v_fsdp.metrics import GIB, MetricsSink, StepRecord, format_line, format_summary, summarize
 from glm45v_fsdp.optim import OptimizerRecipe, build_optimizer, build_scheduler, recipe_from_training
 from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
@@ -119,6 +120,7 @@ class Trainer:
             training.gradient_accumulation_steps,
             runtime.dp_size,
         )
+        self.offload = find_offload_runtime(model)  # activation offload's per-step figures (None when off)
 
     # ----------------------------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -314,6 +316,10 @@ class Trainer:
         """fp16: the loss scale the next step runs with (after this step's update)."""
         return {"loss_scale": self.scaler.scale} if self.scaler is not None else {}
 
+    def _offload_metrics(self) -> dict[str, float | int]:
+        """This step's activation-offload figures on this rank (bytes and tensors moved, stall time), then reset."""
+        return self.offload.take() if self.offload is not None else {}
+
     def _record(self, lr: float, ms: float, loss: float, grad_norm: float, tokens: int, skipped: bool) -> StepRecord:
         self.step += 1
         self.consumed_samples += self.global_batch_size
@@ -335,7 +341,7 @@ class Trainer:
             skipped_steps_total=self.skipped_steps,
             ms_per_iter_per_rank=ms_ranks,
             mem_peak_per_rank_gib=mem_ranks,
-            extra={**self._chunk_metrics(), **self._loss_scale_metrics()},
+            extra={**self._chunk_metrics(), **self._offload_metrics(), **self._loss_scale_metrics()},
         )
         self.records.append(record)
         if self.runtime.is_main:

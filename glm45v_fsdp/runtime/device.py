@@ -7,6 +7,7 @@ only when npu is requested or probed by "auto".
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from collections.abc import Callable
@@ -81,6 +82,36 @@ class DeviceLayer:
         if self.type != "cpu":
             assert state is not None, f"restoring {self.type} rng state from a checkpoint that has none"
             self._accel.set_rng_state(state)
+
+    # Streams, events and pinned host memory (activation offload). On cpu there are none: the stream and event
+    # factories return None, `use_stream(None)` does nothing and copies run synchronously.
+    @property
+    def has_streams(self) -> bool:
+        return self.type != "cpu"
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host buffers for device copies should be pinned (page-locked)."""
+        return self.type != "cpu"
+
+    def new_stream(self) -> Any | None:
+        """A new stream on the current device (None on cpu)."""
+        return None if self.type == "cpu" else self._accel.Stream()
+
+    def current_stream(self) -> Any | None:
+        return None if self.type == "cpu" else self._accel.current_stream()
+
+    def use_stream(self, stream: Any | None) -> contextlib.AbstractContextManager:
+        """Make `stream` current inside the block (no-op for None)."""
+        return contextlib.nullcontext() if stream is None else self._accel.stream(stream)
+
+    def new_event(self, timing: bool = False) -> Any | None:
+        return None if self.type == "cpu" else self._accel.Event(enable_timing=timing)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any | None) -> None:
+        """Tell the caching allocator `tensor`'s memory is in use by `stream` (no-op for None)."""
+        if stream is not None:
+            tensor.record_stream(stream)
 
 
 def _import_torch_npu() -> Any:
