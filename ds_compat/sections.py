@@ -406,9 +406,11 @@ def map_activation_checkpointing(ds: dict, report: Report) -> None:
         "parallelism; the other keys tune DeepSpeed's own checkpointing buffers."
     )
     if as_bool("activation_checkpointing.cpu_checkpointing", section.get("cpu_checkpointing", False)):
+        report.override("features.activation_offload.enabled", True)
         report.note(
-            "activation_checkpointing.cpu_checkpointing: the recomputed modules' saved inputs stay on the device "
-            "(this engine's activation offload is a separate switch, features.activation_offload)."
+            "activation_checkpointing.cpu_checkpointing -> features.activation_offload.enabled=true: the recomputed "
+            "modules' saved inputs wait in pinned host memory and are prefetched in backward (DeepSpeed moves its "
+            "checkpointed activations to the CPU the same way, there only together with partition_activations)."
         )
     elif "cpu_checkpointing" in section:
         report.ignore("activation_checkpointing.cpu_checkpointing")

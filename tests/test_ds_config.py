@@ -815,6 +815,10 @@ def test_precision_clipping_logging_and_optimizer_mapping():
     assert translation.optimizer.type == "AdamW" and translation.optimizer.ds_type == "Adam"
     assert translation.optimizer.kwargs == {"lr": 1.5e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
     assert overrides["features.recompute.enabled"] == "true"
+    assert "features.activation_offload.enabled" not in overrides
+    offloaded = translate({**MEGATRON_STYLE, "activation_checkpointing": {"cpu_checkpointing": True}}, 8)
+    assert _overrides(offloaded)["features.activation_offload.enabled"] == "true"
+    assert offloaded.apply(BASE).features.activation_offload.enabled
     config = translation.apply(BASE)
     assert config.training.lr == 1.5e-4 and config.training.weight_decay == 0.01 and config.training.adam_beta2 == 0.95
     assert config.training.micro_batch_size == 2 and config.training.gradient_accumulation_steps == 4
