@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -324,3 +325,69 @@ class Checkpointer:
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
         return sorted(path.name for path in doomed)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model + optimizer alone (the ds_compat engine's checkpoints; no trainer state, no step_N layout)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def save_model_and_optimizer(checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """DCP-save {"model": ..., "optim": ...} (the optimizer when given) into `checkpoint` (collective)."""
+    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+    if optimizer is not None:
+        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(state, checkpoint_id=checkpoint)
+
+
+def load_model_and_optimizer(
+    checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool = True
+) -> KeyDiff:
+    """Load what `save_model_and_optimizer` wrote, resharded to this run's layout (collective). Keys and global
+    shapes are checked against the checkpoint first; strict stops on any difference, otherwise the matching
+    tensors load. The optimizer state must cover the same parameters."""
+    model_state = get_model_state_dict(model)
+    expected = {key: tuple(value.shape) for key, value in model_state.items()}
+    found = _checkpoint_shapes(checkpoint)
+    diff = compare_keys(expected, found)
+    if strict and not diff.ok:
+        raise UserError(
+            f"Checkpoint '{checkpoint}' does not fit the model: {describe_diff(diff)} Nothing was loaded. Load it "
+            f"into the model it was saved from, or load non-strictly to take only the matching tensors."
+        )
+    skipped = {key for key, shape in expected.items() if found.get(key, shape) != shape}
+    state: dict[str, Any] = {MODEL_KEY: {k: v for k, v in model_state.items() if k not in skipped}}
+    if optimizer is not None:
+        optim_state = get_optimizer_state_dict(model, optimizer)
+        state[OPTIM_KEY] = {**optim_state, "state": {k: v for k, v in optim_state["state"].items() if k not in skipped}}
+    try:
+        dcp.load(state, checkpoint_id=checkpoint, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    except CheckpointException as error:
+        cause = next(iter(error.failures.values()))[0]
+        raise UserError(
+            f"Checkpoint '{checkpoint}' could not be loaded: {cause}. The optimizer state must cover the same "
+            f"parameters; load without the optimizer states to start it afresh."
+        ) from None
+    options = StateDictOptions(strict=strict)
+    set_model_state_dict(model, state[MODEL_KEY], options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY], options=options)
+    return diff
+
+
+def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model tensors of a DCP checkpoint, read offline without a process group, on CPU, in
+    their saved dtype; keys are the model's FQNs."""
+    metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    prefix = f"{MODEL_KEY}."
+    state = {
+        key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        for key, item in metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+    if not state:
+        raise UserError(f"DCP checkpoint '{checkpoint}' holds no model tensors (no '{prefix}*' keys).")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    return {key[len(prefix) :]: value for key, value in state.items()}

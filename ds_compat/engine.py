@@ -1,0 +1,721 @@
+"""The DeepSpeed engine API on the FSDP2 core: `deepspeed.initialize(...)` -> an engine with forward, backward,
+step, save_checkpoint and load_checkpoint, for any nn.Module.
+
+Nothing here re-implements training: the ds_config goes through `ds_compat.config.translate` (batch triple, ZeRO
+layout, precision, clipping, optimizer and scheduler specs), the mesh through `glm45v_fsdp.runtime`, the sharding
+through `glm45v_fsdp.parallel.fsdp.apply_fsdp` with an automatic plan, the gradient norm through
+`glm45v_fsdp.trainer.total_grad_norm` and the checkpoint tensors through `glm45v_fsdp.checkpoint.dcp`. The engine
+adds DeepSpeed's bookkeeping around them: micro steps, the accumulation boundary, global steps and samples, skipped
+steps, the `latest` file and the client state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+from ds_compat.comm import device_layer, get_local_rank
+from ds_compat.config import Translation, translate
+from ds_compat.specs import SchedulerSpec
+from glm45v_fsdp.checkpoint.dcp import load_model_and_optimizer, save_model_and_optimizer
+from glm45v_fsdp.config import Config
+from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.log import get_logger, setup_logging
+from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, compute_precision
+from glm45v_fsdp.runtime import build_device_mesh, build_parallel_dims, flattened_mesh, fsdp_mesh
+from glm45v_fsdp.trainer import total_grad_norm
+
+ENGINE_STATE_FILE = "engine_state.pt"
+LATEST_FILE = "latest"
+# Overrides the translation emits for our trainer that the engine (any nn.Module) does not apply, and why.
+NOT_APPLIED = {
+    "features.recompute.enabled": (
+        "activation_checkpointing has no effect on the engine, as in DeepSpeed, where it applies only inside models "
+        "that call deepspeed.checkpointing.checkpoint (ds_compat.checkpointing.checkpoint here)"
+    ),
+    "features.activation_offload.enabled": (
+        "cpu_checkpointing has no effect on the engine (no activation offload for an arbitrary module)"
+    ),
+    "training.tensorboard": "the engine writes no tensorboard events (our trainer does)",
+}
+
+
+def auto_fsdp_units(model: nn.Module) -> list[str]:
+    """The automatic FSDP plan for an arbitrary module: every child of an nn.ModuleList is a unit of its own (the
+    outermost ModuleLists only: their children already hold the nested ones); the root is always a unit."""
+    patterns: list[str] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if any(name == t or name.startswith(t + ".") for t in taken):
+            continue
+        patterns.append(f"{name}.{{*}}" if name else "{*}")
+        taken.extend(f"{name}.{index}" if name else str(index) for index in range(len(module)))
+    return patterns
+
+
+class SpecScheduler:
+    """The ds_config's scheduler as an object DeepSpeed scripts can drive: `step()` after each optimizer step sets
+    every param group's lr to `spec.lr_at(steps)` (and OneCycle's betas); `get_lr()`, `get_last_lr()`,
+    `state_dict()` / `load_state_dict()` and `last_batch_iteration` behave like DeepSpeed's schedulers."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, spec: SchedulerSpec) -> None:
+        self.optimizer = optimizer
+        self.spec = spec
+        self.last_batch_iteration = -1
+        self._apply()
+
+    def _apply(self) -> None:
+        step = self.last_batch_iteration + 1
+        lr = self.spec.lr_at(step)
+        betas = self.spec.momentum_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            if betas is not None and "betas" in group:
+                group["betas"] = tuple(betas)
+        self._last_lr = [lr] * len(self.optimizer.param_groups)
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        self.last_batch_iteration = (
+            self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
+        )
+        self._apply()
+
+    def get_lr(self) -> list[float]:
+        return list(self._last_lr)
+
+    def get_last_lr(self) -> list[float]:
+        return list(self._last_lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_batch_iteration": self.last_batch_iteration, "type": self.spec.type}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_batch_iteration = state["last_batch_iteration"]
+        self._apply()
+
+    def __repr__(self) -> str:
+        return f"SpecScheduler({self.spec.type}, last_batch_iteration={self.last_batch_iteration})"
+
+
+class DeepSpeedDataLoader:
+    """DeepSpeed's training loader: a DistributedSampler over the data-parallel ranks (shuffled, seed 0, the same
+    order every epoch unless the script calls `data_sampler.set_epoch`), micro-batch sized batches, the collate_fn.
+
+    Batches are loaded in the main process (DeepSpeed forks two workers per rank; forking after the accelerator is
+    initialised can deadlock), so the order is the same and only the loading overlaps less.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        dp_world_size: int,
+        dp_rank: int,
+        collate_fn: Callable | None,
+        drop_last: bool,
+        pin_memory: bool,
+        data_sampler: Any = None,
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        self.dataloader_drop_last = drop_last
+        self.pin_memory = pin_memory
+        self.post_process_func = None
+        if isinstance(dataset, IterableDataset):
+            self.data_sampler = None
+            self.len = None
+        else:
+            self.data_sampler = data_sampler or DistributedSampler(dataset, num_replicas=dp_world_size, rank=dp_rank)
+            count = len(self.data_sampler)
+            self.len = count // batch_size if drop_last else math.ceil(count / batch_size)
+        self.dataloader: DataLoader | None = None
+        self._iterator = None
+
+    def _create_dataloader(self) -> DataLoader:
+        kwargs: dict[str, Any] = {"batch_size": self.batch_size, "pin_memory": self.pin_memory}
+        if self.collate_fn is not None:
+            kwargs["collate_fn"] = self.collate_fn
+        if self.data_sampler is not None:
+            kwargs.update(sampler=self.data_sampler, drop_last=self.dataloader_drop_last)
+        self.dataloader = DataLoader(self.dataset, **kwargs)
+        return self.dataloader
+
+    def __iter__(self) -> DeepSpeedDataLoader:
+        self._iterator = iter(self._create_dataloader())
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            iter(self)
+        return next(self._iterator)
+
+    def __len__(self) -> int:
+        if self.len is None:
+            raise TypeError("an IterableDataset has no length")
+        return self.len
+
+
+def _param_groups(model_parameters: Any) -> list[dict[str, Any]]:
+    """model_parameters (tensors or param-group dicts) as a list of groups with list 'params'."""
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [{**group, "params": list(group["params"])} for group in items]
+    return [{"params": items}]
+
+
+def _remap_groups(groups: list[dict[str, Any]], old_names: dict[int, str], new_params: dict[str, nn.Parameter]):
+    """Param groups over the model's parameters before sharding, re-pointed at the sharded ones (by name)."""
+    remapped = []
+    for index, group in enumerate(groups):
+        params = []
+        for param in group["params"]:
+            name = old_names.get(id(param))
+            if name is None:
+                if any(param is p for p in new_params.values()):
+                    params.append(param)
+                    continue
+                raise UserError(
+                    f"Parameter group {index} holds a tensor of shape {tuple(param.shape)} that is not a parameter of "
+                    "the model passed to initialize(). The FSDP2 engine shards the model's parameters and can only "
+                    "optimize those: pass model.parameters() (or groups of them) as model_parameters / optimizer."
+                )
+            params.append(new_params[name])
+        remapped.append({**group, "params": params})
+    return remapped
+
+
+def _mark_stepped_by_scheduler(optimizer: torch.optim.Optimizer) -> None:
+    """What torch's LRScheduler does to the optimizer it is built on, for a scheduler moved onto `optimizer`."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    optimizer.step = wrapper
+
+
+class DeepSpeedEngine(nn.Module):
+    """DeepSpeed's engine on FSDP2; built by `ds_compat.initialize`. See docs/ds_compat.md "Engine API"."""
+
+    def __init__(
+        self,
+        args: Any = None,
+        model: nn.Module | None = None,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        training_data: Any = None,
+        lr_scheduler: Any = None,
+        mpu: Any = None,
+        collate_fn: Callable | None = None,
+        config: dict | str | None = None,
+    ) -> None:
+        super().__init__()
+        if mpu is not None:
+            raise UserError(
+                "initialize(mpu=...) (Megatron-style model parallelism) is not supported by the FSDP2 backend: it "
+                "shards every parameter over the data-parallel ranks itself. Remove mpu, or run on DeepSpeed."
+            )
+        self.log = get_logger()
+        if not self.log.handlers:
+            setup_logging(dist.get_rank())
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_rank = get_local_rank()
+        self.device_layer = device_layer()
+        self.device = self.device_layer.device(self.local_rank)
+        self.translation: Translation = translate(config, self.world_size)
+        self.config = self.translation.ds_config  # DeepSpeed's engine.config: the config dict
+        self._config = self.translation.apply(Config())
+        self.dims = build_parallel_dims(self._config.parallel, self.world_size)
+        self.mesh = build_device_mesh(self.dims, self.device_layer.type)
+        self.dp_mesh = flattened_mesh(self.mesh, "dp")
+        self.dp_world_size = self.dims.dp
+        self.mp_world_size = 1
+        self.client_optimizer = optimizer
+        self.client_lr_scheduler = lr_scheduler
+        self.collate_fn = collate_fn
+        self.training_data = training_data
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: float | None = None
+        self._step_applied = False
+        self._is_gradient_accumulation_boundary: bool | None = None
+        for note in self.translation.notes:
+            if "trainer" not in note and not note.startswith(("activation_checkpointing", "tensorboard")):
+                self.log.info("ds_compat: %s", note)  # (notes about our trainer's own features do not apply here)
+        for item in self.translation.overrides:
+            key, _, value = item.partition("=")
+            if key in NOT_APPLIED and value not in ("false", "0"):
+                self.log.warning("ds_compat: %s: %s", item, NOT_APPLIED[key])
+
+        old_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        self.plan = dataclasses.replace(self._config.parallel.fsdp_plan, apply_modules=auto_fsdp_units(model))
+        self.module = self._shard(model)
+        self.hsdp = isinstance(self.module, FSDPModule) and self.dims.dp_replicate > 1
+        self.loss_scaler = None
+        if self.translation.precision == "fp16":
+            from glm45v_fsdp.loss_scale import LossScaler  # the trainer's scaler, DeepSpeed's rules
+
+            self.loss_scaler = LossScaler(self._config.training.loss_scale)
+            self.log.info("ds_compat: fp16 with %s", self.loss_scaler.describe())
+        self.precision = compute_precision(self.module, self.plan, self.device_layer.type)
+        new_params = dict(self.module.named_parameters(remove_duplicate=False))
+
+        self.training_dataloader = self.deepspeed_io(training_data) if training_data is not None else None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.basic_optimizer = None
+        self.lr_scheduler: Any = None
+        if optimizer is not None or self.translation.optimizer.ds_type is not None:
+            self._configure_optimizer(optimizer, model_parameters, old_names, new_params)
+            self._configure_lr_scheduler(lr_scheduler)
+        self.log.info(
+            "ds_compat engine: ZeRO stage %d -> FSDP2 %s over %d rank(s); units %s + root; precision %s; "
+            "clipping %s; batch %d = micro %d x accumulation %d x dp %d; optimizer %s; lr scheduler %s",
+            self.translation.zero_stage,
+            "replicated (HSDP, shard groups of one rank)"
+            if self.dims.dp_replicate > 1
+            else f"sharded, reshard after forward {self.plan.reshard_after_forward}",
+            self.world_size,
+            self.plan.apply_modules or "none",
+            self.translation.precision,
+            self.gradient_clipping() or "off",
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+            self.gradient_accumulation_steps(),
+            self.dp_world_size,
+            type(self.optimizer).__name__ if self.optimizer is not None else None,
+            self.lr_scheduler,
+        )
+
+    # ------------------------------------------------------------------------------------------------------
+    # Setup
+    # ------------------------------------------------------------------------------------------------------
+    def _shard(self, model: nn.Module) -> nn.Module:
+        on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        if on_meta:
+            raise UserError(
+                "The model passed to initialize() has parameters on the meta device. Materialise them first "
+                "(e.g. model.to_empty(device=...) and initialise the weights) — the engine shards real tensors."
+            )
+        if not self.plan.cpu_offload:
+            model.to(self.device)
+        if self.world_size > 1:
+            # DeepSpeed broadcasts rank 0's parameters, so every rank starts from the same weights.
+            with torch.no_grad():
+                for tensor in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(tensor.data, src=0)
+        apply_fsdp(model, self.plan, fsdp_mesh(self.mesh, self.dims), pin_memory=False)
+        return model
+
+    def _configure_optimizer(
+        self,
+        client_optimizer: Any,
+        model_parameters: Any,
+        old_names: dict[int, str],
+        new_params: dict[str, nn.Parameter],
+    ) -> None:
+        if model_parameters is None:
+            groups = [{"params": list(self.module.parameters())}]
+        else:
+            groups = _remap_groups(_param_groups(model_parameters), old_names, new_params)
+        if client_optimizer is None:
+            optimizer = self.translation.optimizer.build(groups)
+            self.log.info("ds_compat: optimizer from the ds_config: %s", self.translation.optimizer.describe())
+        elif isinstance(client_optimizer, torch.optim.Optimizer):
+            optimizer = self._rebuild_optimizer(client_optimizer, old_names, new_params)
+        elif callable(client_optimizer):
+            optimizer = client_optimizer(groups)
+            self.log.info("ds_compat: optimizer from the client callable: %s", type(optimizer).__name__)
+        else:
+            raise UserError(
+                f"initialize(optimizer=...) must be a torch.optim.Optimizer or a callable taking the parameters, got "
+                f"{type(client_optimizer).__name__}."
+            )
+        optimizer.param_groups[:] = [group for group in optimizer.param_groups if len(group["params"]) != 0]
+        seen: set[int] = set()
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                assert id(param) not in seen, "Duplicate parameters found in optimizer param groups"
+                seen.add(id(param))
+        self.optimizer = self.basic_optimizer = optimizer
+
+    def _rebuild_optimizer(
+        self, old: torch.optim.Optimizer, old_names: dict[int, str], new_params: dict[str, nn.Parameter]
+    ) -> torch.optim.Optimizer:
+        """fully_shard replaced the parameters the client optimizer holds: the same class with the same param-group
+        hyperparameters, on the sharded parameters (mapped by name)."""
+        if any(old.state.values()):
+            self.log.warning(
+                "ds_compat: the client optimizer already holds state (it has stepped); the rebuilt optimizer starts "
+                "without it"
+            )
+        cls = type(old)
+        groups = _remap_groups([dict(group) for group in old.param_groups], old_names, new_params)
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {key: value for key, value in old.defaults.items() if key in accepted}
+        rebuilt = cls(groups, **defaults)
+        self.log.info(
+            "ds_compat: the client optimizer %s was built on the unsharded parameters; FSDP2 replaced them, so it was "
+            "rebuilt (same class and param-group hyperparameters) on the sharded ones. Use the optimizer initialize() "
+            "returns (or engine.optimizer), not the original object.",
+            cls.__name__,
+        )
+        return rebuilt
+
+    def _configure_lr_scheduler(self, client_scheduler: Any) -> None:
+        if client_scheduler is not None:
+            if isinstance(client_scheduler, Callable) and not hasattr(client_scheduler, "step"):
+                self.lr_scheduler = client_scheduler(self.optimizer)
+                self.log.info("ds_compat: lr scheduler from the client callable")
+            else:
+                self.lr_scheduler = client_scheduler
+                if getattr(client_scheduler, "optimizer", self.optimizer) is not self.optimizer:
+                    client_scheduler.optimizer = self.optimizer
+                    _mark_stepped_by_scheduler(self.optimizer)
+                    self.log.info("ds_compat: the client lr scheduler now drives the rebuilt optimizer")
+        elif self.translation.scheduler is not None:
+            self.lr_scheduler = SpecScheduler(self.optimizer, self.translation.scheduler)
+
+    def deepspeed_io(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Callable | None = None,
+        num_local_io_workers: int | None = None,
+    ) -> DeepSpeedDataLoader:
+        if not (
+            (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) or isinstance(dataset, IterableDataset)
+        ):
+            raise ValueError("Training data must be a torch Dataset")
+        if data_sampler is None and route in ("predict", "eval") and not isinstance(dataset, IterableDataset):
+            data_sampler = DistributedSampler(
+                dataset, num_replicas=self.dp_world_size, rank=self.dp_mesh.get_local_rank(), shuffle=False
+            )
+        return DeepSpeedDataLoader(
+            dataset,
+            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            dp_world_size=self.dp_world_size,
+            dp_rank=self.dp_mesh.get_local_rank(),
+            collate_fn=collate_fn or self.collate_fn,
+            drop_last=bool(self.config.get("dataloader_drop_last", False)),
+            pin_memory=pin_memory and self.device.type != "cpu",
+            data_sampler=data_sampler,
+        )
+
+    # ------------------------------------------------------------------------------------------------------
+    # Configuration queries (DeepSpeed's names)
+    # ------------------------------------------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.translation.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.translation.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.translation.batch.gradient_accumulation_steps
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def gradient_clipping(self) -> float:
+        return self.translation.clip
+
+    def zero_optimization_stage(self) -> int:
+        return self.translation.zero_stage
+
+    def zero_optimization(self) -> bool:
+        return self.translation.zero_stage > 0
+
+    def bfloat16_enabled(self) -> bool:
+        return self.translation.precision == "bf16"
+
+    def fp16_enabled(self) -> bool:
+        return self.translation.precision == "fp16"
+
+    def cur_scale(self) -> float:
+        """The fp16 loss scale (1.0 without fp16)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def _optimizer_param(self, name: str) -> list[Any]:
+        if self.optimizer is None:
+            return []
+        return [group.get(name, 0.0) for group in self.optimizer.param_groups]
+
+    def get_lr(self) -> list[float]:
+        return self._optimizer_param("lr")
+
+    def get_mom(self) -> list[Any]:
+        name = "momentum" if type(self.optimizer).__name__ in ("SGD", "RMSprop") else "betas"
+        return self._optimizer_param(name)
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the engine lacks come from the wrapped module, as in DeepSpeed."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
+
+    # ------------------------------------------------------------------------------------------------------
+    # Training
+    # ------------------------------------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self) -> DeepSpeedEngine:
+        return self.train(False)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with self.precision:
+            return self.module(*inputs, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._is_gradient_accumulation_boundary is not None:
+            return self._is_gradient_accumulation_boundary
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._is_gradient_accumulation_boundary = is_boundary
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """loss / gradient_accumulation_steps (returned, as DeepSpeed), backpropagated divided by the data-parallel
+        size too: the FSDP2 core sums gradients over ranks, DeepSpeed averages them."""
+        assert self.optimizer is not None, "must provide optimizer during init in order to use backward"
+        assert isinstance(loss, torch.Tensor) and loss.numel() == 1, (
+            "loss must be a scalar tensor. If you need to pass output gradients, backward() of output tensors"
+        )
+        scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        if self.hsdp:
+            # Reduce-scatter every micro batch; all-reduce across the replicas only at the boundary.
+            self.module.set_requires_all_reduce(self.is_gradient_accumulation_boundary())
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        (scaled * (loss_scale / self.dp_world_size)).backward(retain_graph=retain_graph)
+        return scaled
+
+    def zero_grad(self) -> None:
+        for param in self.module.parameters():
+            param.grad = None
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """At the accumulation boundary: clip (gradient_clipping), skip on a non-finite norm, optimizer step, lr
+        scheduler step, zero the gradients, count the step. Every call counts a micro step."""
+        assert self.optimizer is not None, "must provide optimizer during init in order to use step"
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            params = self._trainable()
+            loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+            norm = total_grad_norm(params)
+            if loss_scale != 1.0:
+                norm = norm / loss_scale
+            self._global_grad_norm = float(norm)
+            overflow = not math.isfinite(self._global_grad_norm)
+            if not overflow:
+                if loss_scale != 1.0:
+                    torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / loss_scale)
+                if self.gradient_clipping() > 0:
+                    torch.nn.utils.clip_grads_with_norm_(params, self.gradient_clipping(), norm, foreach=True)
+                self.optimizer.step()
+                self._step_applied = True
+                if self.lr_scheduler is not None:
+                    try:
+                        self.lr_scheduler.step(**(lr_kwargs or {}))
+                    except TypeError:
+                        self.lr_scheduler.step(self.train_batch_size())
+            else:
+                self.skipped_steps += 1
+                self.log.warning(
+                    "ds_compat: skipping step %d: the gradient norm is %s%s (skipped steps: %d)",
+                    self.global_steps + 1,
+                    self._global_grad_norm,
+                    "" if self.loss_scaler is None else f" at fp16 loss scale {loss_scale:g}",
+                    self.skipped_steps,
+                )
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(overflow=overflow)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+        self.micro_steps += 1
+
+    # ------------------------------------------------------------------------------------------------------
+    # Checkpoints
+    # ------------------------------------------------------------------------------------------------------
+    def _engine_state(self, client_state: dict) -> dict[str, Any]:
+        return {
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "skipped_steps": self.skipped_steps,
+            "micro_steps": self.micro_steps,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "dp_world_size": self.dp_world_size,
+            "world_size": self.world_size,
+            "zero_stage": self.translation.zero_stage,
+            "ds_config": self.config,
+            "client_state": dict(client_state),
+        }
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike,
+        tag: Any = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's layout: `save_dir/<tag>/` (default tag `global_step<N>`) and `save_dir/latest` naming the tag.
+        Inside the tag: DCP shards of {"model", "optim"} (any world size loads them) and `engine_state.pt`."""
+        if not save_dir:
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+        if exclude_frozen_parameters:
+            raise UserError(
+                "save_checkpoint(exclude_frozen_parameters=True) is not supported by the FSDP2 backend: the DCP "
+                "checkpoint always holds the whole model. Drop the argument."
+            )
+        save_dir = Path(save_dir)
+        if self.global_rank == 0:
+            save_dir.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        tag = str(f"global_step{self.global_steps}" if tag is None else tag)
+        self._check_tag(tag)
+        path = save_dir / tag
+        save_model_and_optimizer(path, self.module, self.optimizer)
+        if self.global_rank == 0:
+            torch.save(self._engine_state(client_state or {}), path / ENGINE_STATE_FILE)
+            if save_latest:
+                (save_dir / LATEST_FILE).write_text(tag)
+        dist.barrier()
+        self.log.info("ds_compat: checkpoint saved to %s", path)
+        return True
+
+    def _check_tag(self, tag: str) -> None:
+        tags: list[Any] = [None] * self.world_size
+        dist.all_gather_object(tags, tag)
+        if len(set(tags)) != 1:
+            raise UserError(
+                f"save_checkpoint: the tag differs between ranks ({sorted(set(tags))}); every rank must pass the "
+                "same tag (DeepSpeed checks this too)."
+            )
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Callable | None = None,
+    ) -> tuple[str | None, dict | None]:
+        """Returns (checkpoint path, client_state); (None, None) when `load_dir/latest` is missing and no tag is
+        given, as DeepSpeed."""
+        if custom_load_fn is not None:
+            raise UserError("load_checkpoint(custom_load_fn=...) is not supported by the FSDP2 backend.")
+        load_dir = Path(load_dir)
+        if tag is None:
+            latest = load_dir / LATEST_FILE
+            if not latest.is_file():
+                self.log.warning(
+                    "Unable to find latest file at %s, if trying to load latest checkpoint please ensure this file "
+                    "exists or pass an explicit checkpoint tag when loading a checkpoint.",
+                    latest,
+                )
+                return None, None
+            tag = latest.read_text().strip()
+        path = load_dir / str(tag)
+        state_file = path / ENGINE_STATE_FILE
+        if not state_file.is_file():
+            raise UserError(
+                f"load_checkpoint: '{path}' is not a checkpoint of this engine (no {ENGINE_STATE_FILE}). Pass the "
+                "save_dir given to save_checkpoint and one of its tags. DeepSpeed's own zero_pp_rank/mp_rank files "
+                "are not read: convert them to a state dict with deepspeed's zero_to_fp32 and load it into the model "
+                "before initialize()."
+            )
+        with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
+        load_model_and_optimizer(
+            path, self.module, self.optimizer if with_optimizer else None, strict=load_module_strict
+        )
+        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        if not load_module_only:
+            if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+                self.loss_scaler.load_state_dict(state["loss_scaler"])
+            self.global_steps = state["global_steps"]
+            self.global_samples = state["global_samples"]
+            self.skipped_steps = state["skipped_steps"]
+        self.log.info(
+            "ds_compat: loaded %s (global step %d, optimizer %s)",
+            path,
+            self.global_steps,
+            "restored" if with_optimizer else "not restored",
+        )
+        return str(path), state["client_state"]
+
+    def module_state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """The model's full state dict (collective under FSDP2; every rank gets the tensors, on CPU)."""
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+
+    def save_16bit_model(
+        self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters=False
+    ) -> bool:
+        """The full state dict in the training dtype (bf16 when bf16 is on, else fp32), written by rank 0 with
+        torch.save as `save_dir/save_filename`. Collective: every rank must call it."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.module, options=options)
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+            state = {key: value for key, value in state.items() if key not in frozen}
+        dtype = DTYPES[self.plan.param_dtype]
+        if self.global_rank == 0:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+            self.log.info("ds_compat: saved the %s model to %s", self.plan.param_dtype, Path(save_dir, save_filename))
+        dist.barrier()
+        return True
+
+    def save_fp16_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> bool:
+        return self.save_16bit_model(save_dir, save_filename)
