@@ -4,7 +4,7 @@ step, save_checkpoint and load_checkpoint, for any nn.Module.
 Nothing here re-implements training: the ds_config goes through `ds_compat.config.translate` (batch triple, ZeRO
 layout, precision, clipping, optimizer and scheduler specs), the mesh through `glm45v_fsdp.runtime`, the sharding
 through `glm45v_fsdp.parallel.fsdp.apply_fsdp` with an automatic plan, the gradient norm through
-`glm45v_fsdp.trainer.total_grad_norm` and the checkpoint tensors through `glm45v_fsdp.checkpoint.dcp`. The engine
+`glm45v_fsdp.optim.unscale_clip_and_step` and the checkpoint tensors through `glm45v_fsdp.checkpoint.dcp`. The engine
 adds DeepSpeed's bookkeeping around them: micro steps, the accumulation boundary, global steps and samples, skipped
 steps, the `latest` file and the client state.
 """
@@ -29,16 +29,22 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from ds_compat.comm import device_layer, get_local_rank
 from ds_compat.config import Translation, translate
-from ds_compat.specs import SchedulerSpec
-from glm45v_fsdp.checkpoint.dcp import load_model_and_optimizer, save_model_and_optimizer
+from glm45v_fsdp.checkpoint.dcp import LoadAdvice, load_checkpoint, save_model_and_optimizer
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger, setup_logging
+from glm45v_fsdp.optim import build_scheduler, unscale_clip_and_step
 from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, compute_precision
 from glm45v_fsdp.runtime import build_device_mesh, build_parallel_dims, flattened_mesh, fsdp_mesh
-from glm45v_fsdp.trainer import total_grad_norm
 
 ENGINE_STATE_FILE = "engine_state.pt"
+ENGINE_LOAD = LoadAdvice(
+    source="Checkpoint '{path}'",
+    mismatch_fix="Load it into the model it was saved from, or pass load_module_strict=False to take only the "
+    "matching tensors.",
+    optimizer_fix="The optimizer state must cover the same parameters; pass load_optimizer_states=False to start "
+    "it afresh.",
+)
 LATEST_FILE = "latest"
 # Overrides the translation emits for our trainer that the engine (any nn.Module) does not apply, and why.
 NOT_APPLIED = {
@@ -66,50 +72,6 @@ def auto_fsdp_units(model: nn.Module) -> list[str]:
         patterns.append(f"{name}.{{*}}" if name else "{*}")
         taken.extend(f"{name}.{index}" if name else str(index) for index in range(len(module)))
     return patterns
-
-
-class SpecScheduler:
-    """The ds_config's scheduler as an object DeepSpeed scripts can drive: `step()` after each optimizer step sets
-    every param group's lr to `spec.lr_at(steps)` (and OneCycle's betas); `get_lr()`, `get_last_lr()`,
-    `state_dict()` / `load_state_dict()` and `last_batch_iteration` behave like DeepSpeed's schedulers."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, spec: SchedulerSpec) -> None:
-        self.optimizer = optimizer
-        self.spec = spec
-        self.last_batch_iteration = -1
-        self._apply()
-
-    def _apply(self) -> None:
-        step = self.last_batch_iteration + 1
-        lr = self.spec.lr_at(step)
-        betas = self.spec.momentum_at(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-            if betas is not None and "betas" in group:
-                group["betas"] = tuple(betas)
-        self._last_lr = [lr] * len(self.optimizer.param_groups)
-
-    def step(self, last_batch_iteration: int | None = None) -> None:
-        self.last_batch_iteration = (
-            self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
-        )
-        self._apply()
-
-    def get_lr(self) -> list[float]:
-        return list(self._last_lr)
-
-    def get_last_lr(self) -> list[float]:
-        return list(self._last_lr)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_batch_iteration": self.last_batch_iteration, "type": self.spec.type}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.last_batch_iteration = state["last_batch_iteration"]
-        self._apply()
-
-    def __repr__(self) -> str:
-        return f"SpecScheduler({self.spec.type}, last_batch_iteration={self.last_batch_iteration})"
 
 
 class DeepSpeedDataLoader:
@@ -397,7 +359,8 @@ class DeepSpeedEngine(nn.Module):
                     _mark_stepped_by_scheduler(self.optimizer)
                     self.log.info("ds_compat: the client lr scheduler now drives the rebuilt optimizer")
         elif self.translation.scheduler is not None:
-            self.lr_scheduler = SpecScheduler(self.optimizer, self.translation.scheduler)
+            spec = self.translation.scheduler
+            self.lr_scheduler = build_scheduler(self.optimizer, spec.recipe(self.translation.optimizer))
 
     def deepspeed_io(
         self,
@@ -544,20 +507,12 @@ class DeepSpeedEngine(nn.Module):
         assert self.optimizer is not None, "must provide optimizer during init in order to use step"
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            params = self._trainable()
             loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-            norm = total_grad_norm(params)
-            if loss_scale != 1.0:
-                norm = norm / loss_scale
-            self._global_grad_norm = float(norm)
-            overflow = not math.isfinite(self._global_grad_norm)
-            if not overflow:
-                if loss_scale != 1.0:
-                    torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / loss_scale)
-                if self.gradient_clipping() > 0:
-                    torch.nn.utils.clip_grads_with_norm_(params, self.gradient_clipping(), norm, foreach=True)
-                self.optimizer.step()
-                self._step_applied = True
+            self._global_grad_norm, self._step_applied = unscale_clip_and_step(
+                self._trainable(), self.optimizer, self.gradient_clipping(), loss_scale
+            )
+            overflow = not self._step_applied
+            if self._step_applied:
                 if self.lr_scheduler is not None:
                     try:
                         self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -674,8 +629,8 @@ class DeepSpeedEngine(nn.Module):
                 "before initialize()."
             )
         with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
-        load_model_and_optimizer(
-            path, self.module, self.optimizer if with_optimizer else None, strict=load_module_strict
+        load_checkpoint(
+            self.module, self.optimizer if with_optimizer else None, path, strict=load_module_strict, advice=ENGINE_LOAD
         )
         state = torch.load(state_file, map_location="cpu", weights_only=False)
         if not load_module_only:

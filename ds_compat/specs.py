@@ -22,6 +22,7 @@ from ds_compat import schedules
 from ds_compat._common import Report, as_bool, as_float, as_int, as_section, key_error, unknown_key_error
 from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.optim import OptimizerRecipe
 
 ONE_BIT = ("onebitadam", "onebitlamb", "zerooneadam")
 KERNEL_ONLY = ("lamb", "lion", "muadam", "muadamw", "musgd", "muon")
@@ -93,6 +94,16 @@ class SchedulerSpec:
 
     def momentum_at(self, step: int) -> tuple[float, float] | None:
         return None if self.momentum_fn is None else self.momentum_fn(step)
+
+    def recipe(self, optimizer: OptimizerSpec) -> OptimizerRecipe:
+        """The core's optimizer recipe: `optimizer`'s class and arguments, this schedule's lr (and betas)."""
+        return OptimizerRecipe(
+            optimizer.type,
+            dict(optimizer.kwargs),
+            self.lr_at,
+            f"{self.type} (ds_config)",
+            betas_after=self.momentum_at if self.momentum_fn is not None else None,
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------

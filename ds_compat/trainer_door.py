@@ -37,10 +37,7 @@ def recipe_from_translation(translation: Translation, config: Config) -> Optimiz
     if schedule is None:
         ours = recipe_from_training(dataclasses.replace(config.training, lr=spec.lr))
         return OptimizerRecipe(spec.type, dict(spec.kwargs), ours.lr_after, f"{ours.schedule} (training.*)")
-    betas_after = schedule.momentum_at if schedule.momentum_fn is not None else None
-    return OptimizerRecipe(
-        spec.type, dict(spec.kwargs), schedule.lr_at, f"{schedule.type} (ds_config)", betas_after=betas_after
-    )
+    return schedule.recipe(spec)
 
 
 def _value(config: Config, key: str) -> object:

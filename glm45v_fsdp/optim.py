@@ -1,4 +1,4 @@
-"""The optimizer and its learning-rate schedule.
+"""The optimizer, its learning-rate schedule, and the optimizer step every door shares (trainer, ds_compat engine).
 
 An `OptimizerRecipe` says which `torch.optim` class the trainer builds and how the lr (and Adam betas) move with the
 optimizer steps. Our own `training.*` keys give AdamW with a linear warmup and a constant / linear / cosine decay to
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
@@ -96,8 +97,10 @@ def build_optimizer(model: nn.Module, recipe: OptimizerRecipe, fused: bool) -> t
 
 
 class RecipeSchedule:
-    """Sets every group's lr (and betas, when the recipe moves them) to the recipe's value after each optimizer
-    step. Its state is the number of steps taken; `step()` is called only for steps the optimizer really took."""
+    """Sets every group's lr (and Adam betas, when the recipe moves them and the optimizer has betas) to the recipe's
+    value after each optimizer step. Its state is the number of steps taken; `step()` is called only for steps the
+    optimizer really took. It also answers DeepSpeed's scheduler API (`get_lr()`, `last_batch_iteration`,
+    `step(last_batch_iteration)`), which the ds_compat engine hands to scripts."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, recipe: OptimizerRecipe) -> None:
         self.optimizer = optimizer
@@ -110,15 +113,22 @@ class RecipeSchedule:
         betas = self.recipe.betas_after(self.steps) if self.recipe.betas_after is not None else None
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-            if betas is not None:
-                group["betas"] = betas
+            if betas is not None and "betas" in group:
+                group["betas"] = tuple(betas)
 
-    def step(self) -> None:
-        self.steps += 1
+    @property
+    def last_batch_iteration(self) -> int:
+        """DeepSpeed's name for the index of the last step taken (-1 before the first)."""
+        return self.steps - 1
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        self.steps = self.steps + 1 if last_batch_iteration is None else last_batch_iteration + 1
         self._apply()
 
     def get_last_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
+
+    get_lr = get_last_lr
 
     def state_dict(self) -> dict[str, int]:
         return {"steps": self.steps}
@@ -126,6 +136,39 @@ class RecipeSchedule:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.steps = int(state["steps"])
         self._apply()
+
+    def __repr__(self) -> str:
+        return f"RecipeSchedule({self.recipe.schedule}, steps={self.steps})"
+
+
+def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of the gradients; DTensor shards are reduced across their mesh."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def unscale_clip_and_step(
+    parameters: list[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    clip: float,
+    loss_scale: float = 1.0,
+    loss_is_finite: bool = True,
+) -> tuple[float, bool]:
+    """The optimizer step of a step whose gradients are accumulated: the global gradient norm (unscaled by the fp16
+    `loss_scale`), then, unless it or the loss is non-finite, unscale the gradients, clip them to `clip` (0: off)
+    and step. Returns (the pre-clip norm, whether the optimizer stepped). The caller zeroes the gradients and moves
+    its schedule and loss scaler."""
+    grad_norm = float(total_grad_norm(parameters)) / loss_scale
+    if not (loss_is_finite and math.isfinite(grad_norm)):
+        return grad_norm, False
+    if loss_scale != 1.0:
+        torch._foreach_mul_([p.grad for p in parameters if p.grad is not None], 1.0 / loss_scale)
+    if clip > 0:
+        norm = torch.tensor(grad_norm, device=parameters[0].device)
+        torch.nn.utils.clip_grads_with_norm_(parameters, clip, norm, foreach=True)
+    optimizer.step()
+    return grad_norm, True
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, recipe: OptimizerRecipe) -> RecipeSchedule:

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from glm45v_fsdp.builders import Runtime
@@ -28,7 +27,13 @@ from glm45v_fsdp.loss_scale import LossScaler
 from glm45v_fsdp.memory.chunk_loss import ChunkChoice, ChunkedLossHead
 from glm45v_fsdp.memory.offload import find_offload_runtime
 from glm45v_fsdp.metrics import GIB, MetricsSink, StepRecord, format_line, format_summary, summarize
-from glm45v_fsdp.optim import OptimizerRecipe, build_optimizer, build_scheduler, recipe_from_training
+from glm45v_fsdp.optim import (
+    OptimizerRecipe,
+    build_optimizer,
+    build_scheduler,
+    recipe_from_training,
+    unscale_clip_and_step,
+)
 from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
 from glm45v_fsdp.runtime import MemoryMeter
 
@@ -51,13 +56,6 @@ def micro_loss_scale(
     if loss_type == "default":
         return 1.0 / (valid_tokens.clamp(min=1).to(torch.float32) * accumulation * dp_size)
     return 1.0 / global_valid_tokens.clamp(min=1).to(torch.float32)
-
-
-def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
-    """Global L2 norm of the gradients; DTensor shards are reduced across their mesh."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 class Trainer:
@@ -240,18 +238,14 @@ class Trainer:
             (ce_sum * (scale * loss_scale)).backward()
             report_loss += (ce_sum.detach() * scale).double()
         loss, tokens = self._dp_all_reduce([report_loss, local_tokens])
-        grad_norm_value = float(total_grad_norm(self.parameters)) / loss_scale
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm_value))
-        if skipped:
-            self._skip_step(loss, grad_norm_value)
-        else:
-            if loss_scale != 1.0:
-                torch._foreach_mul_([p.grad for p in self.parameters if p.grad is not None], 1.0 / loss_scale)
-            if training.clip_grad > 0:
-                norm = torch.tensor(grad_norm_value, device=self.runtime.torch_device)
-                torch.nn.utils.clip_grads_with_norm_(self.parameters, training.clip_grad, norm, foreach=True)
-            self.optimizer.step()
+        grad_norm_value, stepped = unscale_clip_and_step(
+            self.parameters, self.optimizer, training.clip_grad, loss_scale, loss_is_finite=math.isfinite(loss)
+        )
+        skipped = not stepped
+        if stepped:
             self.scheduler.step()
+        else:
+            self._skip_step(loss, grad_norm_value)
         if self.scaler is not None:
             self.scaler.update(overflow=skipped)
         self.optimizer.zero_grad(set_to_none=True)

@@ -161,8 +161,31 @@ def _checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     }
 
 
+@dataclass(frozen=True)
+class LoadAdvice:
+    """How a load error names the checkpoint and what it suggests: the trainer speaks of its config keys, the
+    ds_compat engine of its load_checkpoint arguments. `source` may use {path}."""
+
+    source: str
+    mismatch_fix: str
+    optimizer_fix: str
+
+
+TRAINING_LOAD = LoadAdvice(
+    source="Config key 'training.load' = '{path}'",
+    mismatch_fix="Resume with the model settings the checkpoint was saved with (model.preset / model.name_or_path / "
+    "model.config_overrides), or set training.load_strict=false to load only the matching tensors.",
+    optimizer_fix="The optimizer state must cover the same trainable parameters (model.freeze); set "
+    "training.no_load_optim=true to start the optimizer afresh, or training.load_strict=false to load what fits.",
+)
+
+
 def load_checkpoint(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint: Path, strict: bool
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    checkpoint: Path,
+    strict: bool,
+    advice: LoadAdvice = TRAINING_LOAD,
 ) -> KeyDiff:
     """Load the model (and the optimizer, unless None) from a DCP checkpoint, resharded to this run's layout.
 
@@ -170,16 +193,14 @@ def load_checkpoint(
     difference, naming the first 20; otherwise matching tensors load and the rest keep their values. Returns the
     difference (for the log).
     """
+    source = advice.source.format(path=checkpoint)
     model_state = get_model_state_dict(model)
     expected = {key: tuple(value.shape) for key, value in model_state.items()}
     found = _checkpoint_shapes(checkpoint)
     diff = compare_keys(expected, found)
     if strict and not diff.ok:
         raise UserError(
-            f"Config key 'training.load' = '{checkpoint}' does not fit the model: {describe_diff(diff)} Nothing was "
-            f"loaded. Resume with the model settings the checkpoint was saved with (model.preset / "
-            f"model.name_or_path / model.config_overrides), or set training.load_strict=false to load only the "
-            f"matching tensors."
+            f"{source} does not fit the model: {describe_diff(diff)} Nothing was loaded. {advice.mismatch_fix}"
         )
     skipped = {key for key, shape in expected.items() if found.get(key, shape) != shape}
     state: dict[str, Any] = {MODEL_KEY: {k: v for k, v in model_state.items() if k not in skipped}}
@@ -190,11 +211,7 @@ def load_checkpoint(
         dcp.load(state, checkpoint_id=checkpoint, planner=DefaultLoadPlanner(allow_partial_load=not strict))
     except CheckpointException as error:
         cause = next(iter(error.failures.values()))[0]
-        raise UserError(
-            f"Config key 'training.load' = '{checkpoint}' could not be loaded: {cause}. The optimizer state must "
-            f"cover the same trainable parameters (model.freeze); set training.no_load_optim=true to start the "
-            f"optimizer afresh, or training.load_strict=false to load what fits."
-        ) from None
+        raise UserError(f"{source} could not be loaded: {cause}. {advice.optimizer_fix}") from None
     options = StateDictOptions(strict=strict)
     set_model_state_dict(model, state[MODEL_KEY], options=options)
     if optimizer is not None:
@@ -202,9 +219,41 @@ def load_checkpoint(
     return diff
 
 
+def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model tensors of a DCP checkpoint, read offline without a process group, on CPU, in
+    their saved dtype; keys are the model's FQNs."""
+    metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    prefix = f"{MODEL_KEY}."
+    state = {
+        key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        for key, item in metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+    if not state:
+        raise UserError(f"DCP checkpoint '{checkpoint}' holds no model tensors (no '{prefix}*' keys).")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    return {key[len(prefix) :]: value for key, value in state.items()}
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Save
 # --------------------------------------------------------------------------------------------------------------
+
+
+def model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What a DCP checkpoint holds: {"model": FQN state dict, "optim": FQN optimizer state} (sharded, collective)."""
+    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+    if optimizer is not None:
+        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def save_model_and_optimizer(checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """DCP-save the model (and the optimizer, when given) into `checkpoint`, without the trainer's step layout
+    (the ds_compat engine's checkpoints; collective)."""
+    dcp.save(model_and_optimizer_state(model, optimizer), checkpoint_id=checkpoint)
 
 
 @dataclass
@@ -262,7 +311,7 @@ class Checkpointer:
             torch.save(trainer_state, tmp / TRAINER_STATE_FILE)
         dist.barrier()
         torch.save(rng_state, rng_file(tmp, self.rank))
-        state = {MODEL_KEY: get_model_state_dict(model), OPTIM_KEY: get_optimizer_state_dict(model, optimizer)}
+        state = model_and_optimizer_state(model, optimizer)
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
             self._pending = _Pending(step, tmp, future, start)
@@ -325,69 +374,3 @@ class Checkpointer:
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
         return sorted(path.name for path in doomed)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Model + optimizer alone (the ds_compat engine's checkpoints; no trainer state, no step_N layout)
-# --------------------------------------------------------------------------------------------------------------
-
-
-def save_model_and_optimizer(checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """DCP-save {"model": ..., "optim": ...} (the optimizer when given) into `checkpoint` (collective)."""
-    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
-    if optimizer is not None:
-        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=checkpoint)
-
-
-def load_model_and_optimizer(
-    checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool = True
-) -> KeyDiff:
-    """Load what `save_model_and_optimizer` wrote, resharded to this run's layout (collective). Keys and global
-    shapes are checked against the checkpoint first; strict stops on any difference, otherwise the matching
-    tensors load. The optimizer state must cover the same parameters."""
-    model_state = get_model_state_dict(model)
-    expected = {key: tuple(value.shape) for key, value in model_state.items()}
-    found = _checkpoint_shapes(checkpoint)
-    diff = compare_keys(expected, found)
-    if strict and not diff.ok:
-        raise UserError(
-            f"Checkpoint '{checkpoint}' does not fit the model: {describe_diff(diff)} Nothing was loaded. Load it "
-            f"into the model it was saved from, or load non-strictly to take only the matching tensors."
-        )
-    skipped = {key for key, shape in expected.items() if found.get(key, shape) != shape}
-    state: dict[str, Any] = {MODEL_KEY: {k: v for k, v in model_state.items() if k not in skipped}}
-    if optimizer is not None:
-        optim_state = get_optimizer_state_dict(model, optimizer)
-        state[OPTIM_KEY] = {**optim_state, "state": {k: v for k, v in optim_state["state"].items() if k not in skipped}}
-    try:
-        dcp.load(state, checkpoint_id=checkpoint, planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    except CheckpointException as error:
-        cause = next(iter(error.failures.values()))[0]
-        raise UserError(
-            f"Checkpoint '{checkpoint}' could not be loaded: {cause}. The optimizer state must cover the same "
-            f"parameters; load without the optimizer states to start it afresh."
-        ) from None
-    options = StateDictOptions(strict=strict)
-    set_model_state_dict(model, state[MODEL_KEY], options=options)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY], options=options)
-    return diff
-
-
-def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model tensors of a DCP checkpoint, read offline without a process group, on CPU, in
-    their saved dtype; keys are the model's FQNs."""
-    metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
-    prefix = f"{MODEL_KEY}."
-    state = {
-        key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
-        for key, item in metadata.items()
-        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
-    }
-    if not state:
-        raise UserError(f"DCP checkpoint '{checkpoint}' holds no model tensors (no '{prefix}*' keys).")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
-    return {key[len(prefix) :]: value for key, value in state.items()}
