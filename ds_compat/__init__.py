@@ -23,14 +23,26 @@ from typing import Any
 __version__ = "0.19.8+fsdp2"  # the DeepSpeed API version the engine follows
 __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
 
-_LAZY_MODULES = ("checkpointing", "comm", "config", "engine", "launcher", "trainer_door", "utils", "zero_to_fp32")
+_LAZY_MODULES = (
+    "checkpointing",
+    "comm",
+    "config",
+    "dataloader",
+    "engine",
+    "launcher",
+    "trainer_door",
+    "utils",
+    "zero_to_fp32",
+)
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY_MODULES:
         return importlib.import_module(f"ds_compat.{name}")
-    if name in ("DeepSpeedEngine", "DeepSpeedDataLoader"):
-        return getattr(importlib.import_module("ds_compat.engine"), name)
+    if name == "DeepSpeedEngine":
+        return importlib.import_module("ds_compat.engine").DeepSpeedEngine
+    if name == "DeepSpeedDataLoader":
+        return importlib.import_module("ds_compat.dataloader").DeepSpeedDataLoader
     raise AttributeError(f"module 'ds_compat' has no attribute '{name}'")
 
 
