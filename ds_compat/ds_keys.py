@@ -100,19 +100,16 @@ OFFLOAD_OPTIMIZER_KEYS = frozenset(
         "cpuadam_cores_perc",
     }
 )
-FP16_KEYS = frozenset(
-    {
-        "enabled",
-        "auto_cast",
-        "loss_scale",
-        "initial_scale_power",
-        "loss_scale_window",
-        "hysteresis",
-        "consecutive_hysteresis",
-        "min_loss_scale",
-        "fp16_master_weights_and_grads",
-    }
+# The fp16 section's loss-scaling keys (mapped onto training.loss_scale), then all its keys.
+FP16_SCALING_KEYS = (
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
 )
+FP16_KEYS = frozenset({"enabled", "auto_cast", *FP16_SCALING_KEYS, "fp16_master_weights_and_grads"})
 BF16_KEYS = frozenset(
     {
         "enabled",

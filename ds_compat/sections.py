@@ -203,16 +203,6 @@ def map_zero(ds: dict, dp: int, report: Report) -> int:
     return stage
 
 
-FP16_SCALING_KEYS = (
-    "loss_scale",
-    "initial_scale_power",
-    "loss_scale_window",
-    "hysteresis",
-    "consecutive_hysteresis",
-    "min_loss_scale",
-)
-
-
 def map_fp16(fp16: dict, report: Report) -> None:
     """fp16 -> FSDP2 fp16 compute with fp32 master weights and DeepSpeed's loss scaler (glm45v_fsdp.loss_scale)."""
     static = as_float("fp16.loss_scale", fp16.get("loss_scale", 0), minimum=0.0)
@@ -243,7 +233,7 @@ def map_fp16(fp16: dict, report: Report) -> None:
         report.override("training.loss_scale.consecutive_hysteresis", consecutive)
         report.override("training.loss_scale.min_scale", floor)
     else:
-        for key in FP16_SCALING_KEYS[1:]:
+        for key in ds_keys.FP16_SCALING_KEYS[1:]:
             if key in fp16:
                 report.ignore(f"fp16.{key}")
     report.note(
@@ -296,7 +286,7 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
     if precision == "fp32":
         report.note('precision fp32: DeepSpeed trains in fp32 unless bf16 is enabled (add "bf16": {"enabled": true}).')
     mapped = {
-        "fp16": {"enabled", *FP16_SCALING_KEYS} if fp16_on else {"enabled"},
+        "fp16": {"enabled", *ds_keys.FP16_SCALING_KEYS} if fp16_on else {"enabled"},
         bf16_key: {"enabled", "check_grad_overflow"} if bf16_on else {"enabled"},
         "torch_autocast": {"enabled"},
     }

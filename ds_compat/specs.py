@@ -22,7 +22,7 @@ from ds_compat import schedules
 from ds_compat._common import Report, as_bool, as_float, as_int, as_section, key_error, unknown_key_error
 from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.optim import OptimizerRecipe
+from glm45v_fsdp.optim import OptimizerRecipe, recipe_from_training
 
 ONE_BIT = ("onebitadam", "onebitlamb", "zerooneadam")
 KERNEL_ONLY = ("lamb", "lion", "muadam", "muadamw", "musgd", "muon")
@@ -112,13 +112,8 @@ class SchedulerSpec:
 
 
 def optimizer_from_training(training: TrainingConfig) -> OptimizerSpec:
-    kwargs = {
-        "lr": training.lr,
-        "betas": (training.adam_beta1, training.adam_beta2),
-        "eps": training.adam_eps,
-        "weight_decay": training.weight_decay,
-    }
-    return OptimizerSpec("AdamW", kwargs, adam_w_mode=True)
+    """The trainer's own AdamW (what a ds_config without an optimizer section gets)."""
+    return OptimizerSpec("AdamW", recipe_from_training(training).kwargs, adam_w_mode=True)
 
 
 def optimizer_spec(section: Any, training: TrainingConfig, report: Report) -> OptimizerSpec:
