@@ -99,6 +99,10 @@ class RecomputeConfig:
     )
     # full: keep nothing inside a module; selective: keep matmul / attention / router top-k outputs.
     granularity: Literal["full", "selective"] = "full"
+    # full: also keep the attention kernels' outputs (output + log-sum-exp: O(tokens) bytes), so backward does not
+    # run the O(tokens^2) attention forward again; false = keep nothing but each module's inputs. The reentrant
+    # variant cannot keep anything inside a module, so this key does not apply to it.
+    keep_attention: bool = True
     use_reentrant: bool = False
 
 

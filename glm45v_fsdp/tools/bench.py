@@ -1,9 +1,12 @@
-"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead [--steps N] [key.path=value ...]`
+"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory [options] [key.path=value ...]`
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
 same transformers model, weights, batch and optimizer, timed side by side in one process (alternating blocks, so
 drift in machine speed hits both). Prints the ratio ours/bare and writes it as JSON.
+
+memory: OFF/ON training runs per memory switch (chunk loss, recompute, offload, combined), each in its own process;
+a table in the reference report's form as markdown and JSON, and a PNG bar chart (tools/bench_memory.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.tools import bench_memory
 
 BARE_INPUT_KEYS = (
     "input_ids",
@@ -153,8 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     overhead.add_argument("--blocks", type=int, default=4, help="alternating timing blocks")
     overhead.add_argument("--output", type=Path, default=Path("output/bench/overhead.json"))
     overhead.add_argument("overrides", nargs="*", help="key.path=value config overrides")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    bench_memory.add_parser(sub)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
     try:
+        if args.benchmark == "memory":
+            return bench_memory.main_memory(args, argv)
         run_overhead(args.steps, args.warmup, args.blocks, args.overrides, args.output)
     except UserError as error:
         print(f"bench: error: {error}", file=sys.stderr)

@@ -1,0 +1,606 @@
+"""`python -m glm45v_fsdp.tools.bench memory`: OFF/ON pairs of the memory switches, each side a real training run.
+
+Every side of a pair is `python -m glm45v_fsdp.train` (or torchrun with `--ranks N`) in its own process, with the
+same seed, data, weights and fp32 parameters; the figures come from its `metrics.jsonl` (one record per step). A
+configuration shared by several pairs (the full-logits run is the OFF side of both chunk-loss rows) runs once. With
+`--repeats R` every configuration runs R times, round-robin over the configurations, so a drift in machine speed
+hits OFF and ON alike; ms/iter is the median over all repeats of the steps after `--warmup`.
+
+The figures, per pair (the reference report's §3.3 and §4.2):
+  - loss mean relative error = mean(|on - off| / (|off| + 1e-8)) over aligned steps (first repeat), in %, and the
+    max absolute loss difference;
+  - ms/iter: median of the steps after the warmup; samples/s = global batch x 1000 / that median;
+  - peak max / avg GiB: each rank's peak over all steps (cuda/npu: the allocator peak; cpu: live tensor bytes, see
+    runtime/memory.py), then the max and the mean over ranks; the largest over repeats;
+  - saving % = (off - on) / off x 100 (max-rank and avg-rank); time cost % = (on / off - 1) x 100 of ms/iter.
+
+A "token" is a non-padding position of a rank's micro batch: each rank's micro batch is ONE synthetic sample cut at
+`--tokens` (text, the template and `--images` pictures of 56 px, 4 image tokens each), so every run checks that its
+records hold `tokens == ranks x --tokens`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glm45v_fsdp.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PARITY_LIMIT = 1e-5  # mean relative loss error of an exact transformation in fp32 (DESIGN.md, Numerics)
+OFFLOAD_KEY = "features.activation_offload.enabled"
+
+CHUNK_SHAPE = "chunk"  # --vocab on the model's own layer count
+LAYERS_SHAPE = "layers"  # --text-layers on the model's own vocabulary
+BOTH_SHAPE = "both"  # --vocab and --text-layers
+STATIC = "features.chunk_loss.mode=static"
+RECOMPUTE = "features.recompute.enabled=true"
+OFFLOAD = f"{OFFLOAD_KEY}=true"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training configuration: a model shape and the feature overrides that differ between runs."""
+
+    shape: str
+    features: tuple[str, ...]
+    offload: bool = False  # needs the activation offload feature
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One row: the OFF run, the ON run and the targets (None: reported, not judged)."""
+
+    label: str
+    off: str
+    on: str
+    min_saving_pct: float | None = None
+    max_time_cost_pct: float | None = None
+    accelerator_only_target: bool = False  # the target is judged on cuda/npu only (cpu has no device memory)
+    note: str = ""
+
+
+RUNS: dict[str, RunSpec] = {
+    "full_logits": RunSpec(CHUNK_SHAPE, ("features.chunk_loss.mode='off'",)),
+    "chunk_static": RunSpec(CHUNK_SHAPE, (STATIC,)),
+    "chunk_dynamic": RunSpec(CHUNK_SHAPE, ("features.chunk_loss.mode=dynamic",)),
+    "no_recompute": RunSpec(LAYERS_SHAPE, (STATIC,)),
+    "recompute": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE)),
+    "recompute_keep_nothing": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, "features.recompute.keep_attention=false")),
+    "recompute_selective": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, "features.recompute.granularity=selective")),
+    "recompute_offload": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, OFFLOAD), offload=True),
+    "all_off": RunSpec(BOTH_SHAPE, ("features.chunk_loss.mode='off'",)),
+    "all_on": RunSpec(BOTH_SHAPE, (STATIC, RECOMPUTE, OFFLOAD), offload=True),
+}
+
+SWITCHES: dict[str, Switch] = {
+    "chunk_static": Switch("ChunkLoss off→static", "full_logits", "chunk_static", 60.0, 5.0),
+    "chunk_dynamic": Switch("ChunkLoss off→dynamic", "full_logits", "chunk_dynamic", 60.0, 5.0),
+    "recompute": Switch(
+        "Recompute off→on (default plan)",
+        "no_recompute",
+        "recompute",
+        40.0,
+        30.0,
+        note="full granularity keeping the attention kernels' outputs (features.recompute.keep_attention=true)",
+    ),
+    "recompute_full": Switch(
+        "Recompute off→full, keep nothing",
+        "no_recompute",
+        "recompute_keep_nothing",
+        note="features.recompute.keep_attention=false: attention runs again in backward",
+    ),
+    "recompute_selective": Switch("Recompute off→selective", "no_recompute", "recompute_selective"),
+    "offload": Switch(
+        "Async Offload off→on (on recompute)",
+        "recompute",
+        "recompute_offload",
+        25.0,
+        5.0,
+        accelerator_only_target=True,
+        note="cpu: no separate device memory, the copies are host memory the tracker counts; judged on cuda/npu",
+    ),
+    "combined": Switch("All off→chunk+recompute+offload", "all_off", "all_on"),
+}
+
+
+@dataclass
+class RunResult:
+    """One configuration's figures, over all its repeats."""
+
+    name: str
+    overrides: list[str]
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    ms_timed: list[float] = field(default_factory=list)
+    ms_per_iter: float = 0.0
+    samples_per_s: float = 0.0
+    global_batch_size: int = 0
+    tokens_per_step: int = 0
+    mem_peak_max_gib: float = 0.0
+    mem_peak_avg_gib: float = 0.0
+    mem_peak_per_rank_gib: list[float] = field(default_factory=list)
+    offload: dict[str, float] = field(default_factory=dict)
+    load_avg: list[list[float]] = field(default_factory=list)  # 1-min load average before and after each repeat
+    wall_s: list[float] = field(default_factory=list)
+    # user + sys CPU seconds of each repeat's processes (start-up and every step): insensitive to waiting for a busy
+    # CPU, unlike ms/iter, so it tells a switch's compute cost apart from other load on a shared machine.
+    cpu_s: list[float] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def offload_available() -> bool:
+    from glm45v_fsdp.config import ALL_KEYS
+
+    return OFFLOAD_KEY in ALL_KEYS
+
+
+def shape_overrides(shape: str, args: argparse.Namespace) -> list[str]:
+    text = "model.config_overrides.text_config"
+    shaped = [f"{text}.max_position_embeddings={max(4096, args.tokens)}"]
+    if shape in (CHUNK_SHAPE, BOTH_SHAPE):
+        shaped.append(f"{text}.vocab_size={args.vocab}")
+    if shape in (LAYERS_SHAPE, BOTH_SHAPE):
+        shaped.append(f"{text}.num_hidden_layers={args.text_layers}")
+    return shaped
+
+
+def run_overrides(spec: RunSpec, args: argparse.Namespace, output_dir: Path) -> list[str]:
+    """Everything a run is given: the common settings, its shape, its features, then the user's overrides."""
+    common = [
+        f"training.device={args.device}",
+        f"training.train_iters={args.steps}",
+        f"training.log_interval={args.steps}",
+        "training.progress_bar=false",
+        "training.track_memory=true",
+        "training.micro_batch_size=1",
+        "training.gradient_accumulation_steps=1",
+        "training.lr_scheduler=constant",
+        "training.lr_warmup_ratio=0",
+        "training.min_lr=0",
+        "parallel.fsdp_plan.param_dtype=fp32",
+        "parallel.fsdp_plan.reduce_dtype=fp32",
+        "data.dataset=synthetic",
+        f"data.synthetic_samples={max(8, args.steps * args.ranks)}",
+        f"data.synthetic_text_tokens={args.tokens}",
+        f"data.cutoff_len={args.tokens}",
+        f"data.synthetic_images_per_sample={args.images}",
+        "data.packing=false",
+        f"training.output_dir={output_dir}",
+    ]
+    return common + shape_overrides(spec.shape, args) + list(spec.features) + list(args.overrides)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def train_command(ranks: int, overrides: list[str]) -> list[str]:
+    if ranks == 1:
+        return [sys.executable, "-m", "glm45v_fsdp.train", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ranks}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
+        "-m",
+        "glm45v_fsdp.train",
+        *overrides,
+    ]
+
+
+def _child_env(threads: int | None) -> dict[str, str]:
+    """This process's environment without a launcher's rank variables (the child is its own job); `threads` sets
+    OMP_NUM_THREADS (torch's intra-op threads per process)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "SLURM_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _load1() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return float("nan")
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def execute(
+    name: str, command: list[str], output_dir: Path, timeout: float | None, threads: int | None = None
+) -> tuple[list[dict], float, float]:
+    """Run one training process; its stdout/stderr go to <output_dir>/train.log. Returns its step records, its wall
+    seconds and its CPU seconds (user + sys of it and its children)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    cpu_started = _children_cpu_s()
+    with (output_dir / "train.log").open("w") as log:
+        log.write(" ".join(command) + "\n\n")
+        log.flush()
+        try:
+            result = subprocess.run(
+                command, cwd=REPO_ROOT, env=_child_env(threads), stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            raise UserError(
+                f"bench memory: run '{name}' did not finish within --run-timeout {timeout:.0f} s; see "
+                f"{output_dir / 'train.log'}. Lower --steps or --tokens, or raise --run-timeout."
+            ) from None
+    if result.returncode != 0:
+        tail = (output_dir / "train.log").read_text().splitlines()[-25:]
+        raise UserError(
+            f"bench memory: run '{name}' failed (exit status {result.returncode}); last lines of "
+            f"{output_dir / 'train.log'}:\n" + "\n".join(tail)
+        )
+    metrics = output_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return records, time.perf_counter() - started, _children_cpu_s() - cpu_started
+
+
+def offload_figures(records: list[dict]) -> dict[str, float]:
+    """The median over the timed steps of every `offload_*` figure a step record holds (lists are summed)."""
+    keys = sorted({key for record in records for key in record if key.startswith("offload_")})
+    figures = {}
+    for key in keys:
+        values = [record[key] for record in records if key in record]
+        values = [sum(v) if isinstance(v, list) else v for v in values if v is not None]
+        if values and all(isinstance(v, (int, float)) for v in values):
+            figures[key] = statistics.median(values)
+    return figures
+
+
+def summarise_run(result: RunResult, repeats: list[list[dict]], warmup: int, expected_tokens: int) -> None:
+    first = repeats[0]
+    result.steps = len(first)
+    result.losses = [r["loss"] for r in first]
+    result.global_batch_size = first[-1]["global_batch_size"]
+    result.tokens_per_step = first[-1]["tokens"]
+    bad = sorted({r["tokens"] for records in repeats for r in records} - {expected_tokens})
+    if bad:
+        raise UserError(
+            f"bench memory: run '{result.name}' had steps of {bad} tokens, not {expected_tokens} (ranks x --tokens): "
+            f"a sample came out shorter than data.cutoff_len. Raise the text budget or lower --tokens."
+        )
+    timed = [r for records in repeats for r in records if r["step"] > warmup]
+    result.ms_timed = [r["ms_per_iter"] for r in timed]
+    result.ms_per_iter = statistics.median(result.ms_timed)
+    result.samples_per_s = result.global_batch_size * 1000.0 / result.ms_per_iter
+    ranks = len(first[0]["mem_peak_per_rank_gib"])
+    per_rank = [max(r["mem_peak_per_rank_gib"][i] for records in repeats for r in records) for i in range(ranks)]
+    result.mem_peak_per_rank_gib = per_rank
+    result.mem_peak_max_gib = max(per_rank)
+    result.mem_peak_avg_gib = statistics.fmean(per_rank)
+    result.offload = offload_figures(timed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rows
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _pct_saving(off: float, on: float) -> float:
+    return (off - on) / off * 100.0 if off > 0 else float("nan")
+
+
+def compare(switch_name: str, off: RunResult, on: RunResult, device: str, ranks: int) -> dict[str, Any]:
+    switch = SWITCHES[switch_name]
+    steps = min(len(off.losses), len(on.losses))
+    # A skipped step (non-finite loss) is null in metrics.jsonl: it has no error to compare.
+    pairs = [(t, r) for t, r in zip(on.losses[:steps], off.losses[:steps]) if t is not None and r is not None]
+    if not pairs:
+        raise UserError(f"bench memory: {switch.label}: no step has a finite loss on both sides.")
+    rel = [abs(t - r) / (abs(r) + 1e-8) for t, r in pairs]
+    row: dict[str, Any] = {
+        "switch": switch_name,
+        "label": switch.label,
+        "off_run": off.name,
+        "on_run": on.name,
+        "ranks": ranks,
+        "loss_mean_rel_err_pct": statistics.fmean(rel) * 100.0,
+        "loss_max_abs_err": max(abs(t - r) for t, r in pairs),
+        "ms_per_iter": [off.ms_per_iter, on.ms_per_iter],
+        "samples_per_s": [off.samples_per_s, on.samples_per_s],
+        "peak_max_gib": [off.mem_peak_max_gib, on.mem_peak_max_gib],
+        "peak_avg_gib": [off.mem_peak_avg_gib, on.mem_peak_avg_gib],
+        "saving_max_pct": _pct_saving(off.mem_peak_max_gib, on.mem_peak_max_gib),
+        "saving_avg_pct": _pct_saving(off.mem_peak_avg_gib, on.mem_peak_avg_gib),
+        "time_cost_pct": (on.ms_per_iter / off.ms_per_iter - 1.0) * 100.0,
+        "throughput_change_pct": (on.samples_per_s / off.samples_per_s - 1.0) * 100.0,
+        "note": switch.note,
+    }
+    row["cpu_s_per_run"] = [statistics.median(off.cpu_s), statistics.median(on.cpu_s)]
+    if on.offload:
+        row["offload"] = on.offload
+    judged = switch.min_saving_pct is not None and not (switch.accelerator_only_target and device == "cpu")
+    parity_ok = row["loss_mean_rel_err_pct"] <= PARITY_LIMIT * 100.0
+    if switch.min_saving_pct is None:
+        row["target"] = f"parity ≤ {PARITY_LIMIT * 100:g}%"
+    else:
+        row["target"] = f"≥{switch.min_saving_pct:g}% lower peak, ≤{switch.max_time_cost_pct:g}% time"
+        if not judged:
+            row["target"] += " (cuda/npu)"
+    failures = [] if parity_ok else ["loss parity"]
+    if judged:
+        if not row["saving_max_pct"] >= switch.min_saving_pct:
+            failures.append("memory")
+        if not row["time_cost_pct"] <= switch.max_time_cost_pct:
+            failures.append("time")
+    row["judged"] = judged
+    row["pass"] = not failures
+    row["result"] = "pass" if not failures else "FAIL: " + ", ".join(failures)
+    if not judged and parity_ok:
+        row["result"] = "pass (parity only)"
+    return row
+
+
+def skipped_row(switch_name: str, ranks: int, reason: str) -> dict[str, Any]:
+    return {"switch": switch_name, "label": SWITCHES[switch_name].label, "ranks": ranks, "skipped": reason}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------------------------
+
+COLUMNS = (
+    "switch",
+    "runs off→on",
+    "ranks",
+    "loss mean rel err",
+    "max abs err",
+    "ms/iter off→on",
+    "samples/s off→on",
+    "peak max GiB off→on",
+    "peak avg GiB off→on",
+    "saving % max / avg",
+    "time cost %",
+    "target",
+    "pass/fail",
+)
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    if "skipped" in row:
+        return [row["label"], "—", str(row["ranks"]), *["—"] * 9, f"skipped: {row['skipped']}"]
+    off_ms, on_ms = row["ms_per_iter"]
+    off_sps, on_sps = row["samples_per_s"]
+    return [
+        row["label"],
+        f"{row['off_run']} → {row['on_run']}",
+        str(row["ranks"]),
+        f"{row['loss_mean_rel_err_pct']:.6f}%",
+        f"{row['loss_max_abs_err']:.6f}",
+        f"{off_ms:.1f} → {on_ms:.1f}",
+        f"{off_sps:.3f} → {on_sps:.3f}",
+        f"{row['peak_max_gib'][0]:.6f} → {row['peak_max_gib'][1]:.6f}",
+        f"{row['peak_avg_gib'][0]:.6f} → {row['peak_avg_gib'][1]:.6f}",
+        f"{row['saving_max_pct']:+.2f}% / {row['saving_avg_pct']:+.2f}%",
+        f"{row['time_cost_pct']:+.2f}%",
+        row["target"],
+        row["result"],
+    ]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"# Memory switches: OFF/ON pairs ({report['device']}, {report['ranks']} rank(s))",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in report["rows"]]
+    lines += ["", *[f"- {line}" for line in report["notes"]]]
+    cpu = [
+        f"{row['label']} {row['cpu_s_per_run'][0]:.1f} → {row['cpu_s_per_run'][1]:.1f} s "
+        f"({(row['cpu_s_per_run'][1] / row['cpu_s_per_run'][0] - 1) * 100:+.1f}%)"
+        for row in report["rows"]
+        if "cpu_s_per_run" in row
+    ]
+    if cpu:
+        lines.append(
+            "- CPU seconds per run (user + sys of the training processes, start-up and all steps; median over "
+            "repeats; not slowed by other load the way ms/iter is): " + "; ".join(cpu)
+        )
+    lines += [f"- {row['label']}: {row['note']}" for row in report["rows"] if row.get("note")]
+    for row in report["rows"]:
+        if row.get("offload"):
+            figures = ", ".join(f"{k} {v:g}" for k, v in row["offload"].items())
+            lines.append(f"- {row['label']}: ON side's per-step offload figures (median): {figures}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def notes(args: argparse.Namespace, runs: dict[str, RunResult], memory_kind: str) -> list[str]:
+    loads = [value for run in runs.values() for pair in run.load_avg for value in pair]
+    return [
+        f"tokens: {args.tokens} per rank per step = one synthetic sample per micro batch (micro batch 1, no "
+        f"accumulation), cut at data.cutoff_len={args.tokens}; non-padding positions, {args.images} images of 4 "
+        f"image tokens included. ChunkLoss rows: vocabulary {args.vocab}, the model's own layers; Recompute and "
+        f"Offload rows: {args.text_layers} text layers, the model's own vocabulary, static chunk loss on both sides; "
+        f"combined row: both.",
+        f"ms/iter: median of steps {args.warmup + 1}-{args.steps} over {args.repeats} repeat(s) per configuration "
+        f"(round-robin); samples/s = global batch x 1000 / that median; time cost = ms/iter on/off - 1.",
+        f"peak memory: {memory_kind}; each rank's peak over all steps and repeats, then max / mean over ranks; "
+        f"saving = (off - on) / off.",
+        f"loss errors: step-aligned over {args.steps} steps of the first repeat, fp32 parameters and reductions; "
+        f"parity limit {PARITY_LIMIT * 100:g}% mean relative error.",
+        "machine load (1-min average) around the runs: "
+        + (f"{min(loads):.2f}–{max(loads):.2f}" if loads else "n/a")
+        + f" on {os.cpu_count()} CPU(s); OMP_NUM_THREADS per training process: "
+        + (
+            str(args.threads)
+            if args.threads is not None
+            else os.environ.get("OMP_NUM_THREADS", "unset (torch default)")
+        )
+        + ".",
+    ]
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> None:
+    from glm45v_fsdp.tools.chart import bar_chart
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "memory.md").write_text(markdown(report))
+    measured = [row for row in report["rows"] if "skipped" not in row]
+    bar_chart(
+        [(row["label"], row["peak_max_gib"]) for row in measured],
+        series=("OFF", "ON"),
+        title=f"Peak memory, max over ranks (GiB; each switch on its own scale) — {report['device']}, "
+        f"{report['ranks']} rank(s), {report['tokens']} tokens",
+        value_format="{:.3f}",
+        notes=[f"saving {row['saving_max_pct']:+.1f}%\ntime {row['time_cost_pct']:+.1f}%" for row in measured],
+        path=out / "memory.png",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def run_memory(args: argparse.Namespace) -> dict[str, Any]:
+    unknown = [name for name in args.switches if name not in SWITCHES]
+    if unknown:
+        raise UserError(f"bench memory: unknown switch(es) {unknown}; choose from {', '.join(SWITCHES)}.")
+    has_offload = offload_available()
+    planned: list[str] = []
+    skipped: dict[str, str] = {}
+    for name in args.switches:
+        switch = SWITCHES[name]
+        if not has_offload and (RUNS[switch.off].offload or RUNS[switch.on].offload):
+            skipped[name] = f"{OFFLOAD_KEY} is not in the config schema (activation offload is not in this build)"
+            continue
+        planned += [run for run in (switch.off, switch.on) if run not in planned]
+    out = args.out
+    runs = {name: RunResult(name, run_overrides(RUNS[name], args, out / "runs" / name)) for name in planned}
+    records: dict[str, list[list[dict]]] = {name: [] for name in planned}
+    total = len(planned) * args.repeats
+    count = 0
+    for repeat in range(args.repeats):
+        for name in planned:
+            count += 1
+            run_dir = out / "runs" / (name if repeat == 0 else f"{name}.r{repeat + 1}")
+            overrides = run_overrides(RUNS[name], args, run_dir)
+            load_before = _load1()
+            print(
+                f"[{count}/{total}] {name} (repeat {repeat + 1}/{args.repeats}), load {load_before:.2f} ...", flush=True
+            )
+            run_records, wall, cpu = execute(
+                name, train_command(args.ranks, overrides), run_dir, args.run_timeout, args.threads
+            )
+            records[name].append(run_records)
+            runs[name].load_avg.append([load_before, _load1()])
+            runs[name].wall_s.append(round(wall, 1))
+            runs[name].cpu_s.append(round(cpu, 1))
+    memory_kind = "allocator peak" if args.device != "cpu" else "live tensor bytes (CPU tracker)"
+    for name in planned:
+        summarise_run(runs[name], records[name], args.warmup, args.ranks * args.tokens)
+    rows = []
+    for name in args.switches:
+        if name in skipped:
+            rows.append(skipped_row(name, args.ranks, skipped[name]))
+        else:
+            rows.append(compare(name, runs[SWITCHES[name].off], runs[SWITCHES[name].on], args.device, args.ranks))
+    report = {
+        "benchmark": "memory",
+        "device": args.device,
+        "ranks": args.ranks,
+        "tokens": args.tokens,
+        "vocab": args.vocab,
+        "text_layers": args.text_layers,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "memory_kind": memory_kind,
+        "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
+        "rows": rows,
+        "notes": notes(args, runs, memory_kind),
+        "runs": {name: asdict(run) for name, run in runs.items()},
+    }
+    write_outputs(report, out)
+    print(markdown(report))
+    print(f"bench memory: wrote {out / 'memory.md'}, {out / 'memory.json'} and {out / 'memory.png'}")
+    return report
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "memory",
+        help="OFF/ON training runs per memory switch: loss error, ms/iter, peak memory, saving",
+        description="OFF/ON pairs of the memory switches, each side a training run in its own process.",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    parser.add_argument("--ranks", type=int, default=1, help="processes per run (torchrun when > 1)")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of ms/iter")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration, round-robin")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens of each rank's micro batch (one sample)")
+    parser.add_argument("--vocab", type=int, default=65536, help="vocabulary of the ChunkLoss and combined rows")
+    parser.add_argument(
+        "--text-layers", type=int, default=6, help="text decoder layers of the Recompute, Offload and combined rows"
+    )
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=16,
+        help="synthetic images per sample: the text generator's cost grows with the square of the text it repeats, "
+        "so more (tiny) images make an 8192-token sample in ~60 ms instead of ~1.5 s",
+    )
+    parser.add_argument(
+        "--switches",
+        type=lambda text: [name.strip() for name in text.split(",") if name.strip()],
+        default=list(SWITCHES),
+        metavar="A,B,...",
+        help=f"comma-separated rows to measure, in order (default: all): {','.join(SWITCHES)}",
+    )
+    parser.add_argument("--out", type=Path, default=Path("output/bench/memory"), help="output directory")
+    parser.add_argument("--run-timeout", type=float, default=None, help="seconds allowed per training run")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS of each training process (default: 1 with --device cpu, else inherited). On a "
+        "shared CPU machine, 2+ threads per process turn other load into spin-waits that multiply a step's time "
+        "at random (measured: 2 s steps becoming 8-15 s); one thread keeps the pairs comparable",
+    )
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides for every run (applied last)")
+
+
+def main_memory(args: argparse.Namespace, argv: list[str]) -> int:
+    for key in ("ranks", "steps", "repeats", "tokens", "vocab", "text_layers", "images"):
+        if getattr(args, key) < 1:
+            raise UserError(f"bench memory: --{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}.")
+    if not 0 <= args.warmup < args.steps:
+        raise UserError(f"bench memory: --warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}.")
+    args.argv = argv
+    if args.threads is None and args.device == "cpu":
+        args.threads = 1
+    report = run_memory(args)
+    failed = [row["label"] for row in report["rows"] if "skipped" not in row and not row["pass"]]
+    if failed:
+        print(f"bench memory: below target: {', '.join(failed)}")
+    return 0
