@@ -60,7 +60,7 @@ RECOMPUTE = {
 
 
 @pytest.mark.parametrize(
-    "nproc, modes", [(1, ["off", "full", "full_keep_nothing", "selective", "reentrant"]), (2, ["off", "selective"])]
+    "nproc, modes", [(1, ["off", "full", "full_keep_nothing", "selective", "reentrant"]), (2, ["off", "full"])]
 )
 def test_recompute_on_off_parity(tmp_path, nproc, modes):
     curves = {}

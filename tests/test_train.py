@@ -62,23 +62,23 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_default_training_runs_and_learns(tmp_path, nproc):
-    result = train(tmp_path / "run", ["training.train_iters=40", "training.log_interval=10"], nproc=nproc)
+    result = train(tmp_path / "run", ["training.train_iters=24", "training.log_interval=8"], nproc=nproc)
     assert result.returncode == 0, result.stderr[-4000:]
     records = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in records] == list(range(1, 41))
+    assert [r["step"] for r in records] == list(range(1, 25))
     assert all(METRIC_KEYS <= set(r) for r in records)
     assert all(len(r["ms_per_iter_per_rank"]) == nproc for r in records)
     losses = [r["loss"] for r in records]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
-    assert "step 40/40 | loss" in result.stdout
+    assert "step 24/24 | loss" in result.stdout
     assert "summary steps" in result.stdout and "P95" in result.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     window = [r["ms_per_iter"] for r in records if r["step"] >= summary["window"][0]]
-    assert summary["steps"] == len(window) and summary["window"][1] == 40
+    assert summary["steps"] == len(window) and summary["window"][1] == 24
     assert max(window) >= summary["ms_per_iter_p99"] >= summary["ms_per_iter_p95"] >= min(window)
     assert summary["ms_per_iter_mean"] == pytest.approx(sum(window) / len(window))
     resolved = (tmp_path / "run" / "config.yaml").read_text()
-    assert "train_iters: 40" in resolved
+    assert "train_iters: 24" in resolved
 
 
 # --------------------------------------------------------------------------------------------------------------
