@@ -48,9 +48,7 @@ def test_scheduler_follows_lr_at_and_groups_skip_decay_on_vectors():
 def test_recipe_schedule_sets_lr_and_betas_and_resumes_from_its_step_count():
     from glm45v_fsdp.optim import OptimizerRecipe
 
-    recipe = OptimizerRecipe(
-        "SGD", {"lr": 0.5, "momentum": 0.9}, lambda k: 0.5 / (k + 1), "test", betas_after=None
-    )
+    recipe = OptimizerRecipe("SGD", {"lr": 0.5, "momentum": 0.9}, lambda k: 0.5 / (k + 1), "test", betas_after=None)
     model = torch.nn.Linear(3, 2)
     optimizer = build_optimizer(model, recipe, fused=False)
     assert len(optimizer.param_groups) == 1 and "weight_decay" in optimizer.param_groups[0]  # SGD's own default
