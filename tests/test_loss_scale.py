@@ -62,7 +62,7 @@ def test_overflow_at_the_floor_stops_and_state_round_trips():
 
 
 def test_fp16_training_on_two_ranks_tracks_fp32_and_skips_overflows_as_deepspeed(tmp_path):
-    steps = ["training.train_iters=10"]
+    steps = ["training.train_iters=6"]
     fp32 = train(tmp_path / "fp32", [*PARITY, *steps], nproc=2)
     fp16 = train(tmp_path / "fp16", [*PARITY, *steps, "parallel.fsdp_plan.param_dtype=fp16"], nproc=2)
     for result in (fp32, fp16):
@@ -77,7 +77,7 @@ def test_fp16_training_on_two_ranks_tracks_fp32_and_skips_overflows_as_deepspeed
     # 2**20 overflows this model's fp16 gradients: hysteresis 2 keeps the scale at the first overflow, then every
     # overflow halves it until the gradients fit; skipped steps move neither the weights nor the schedule.
     overflowing = [
-        *steps,
+        "training.train_iters=9",
         "parallel.fsdp_plan.param_dtype=fp16",
         "parallel.fsdp_plan.reduce_dtype=fp32",
         "training.loss_scale.initial_scale_power=20",

@@ -306,7 +306,6 @@ def test_cpu_device_layer_has_no_streams_and_config_names_bad_values():
 # ---- training parity ---------------------------------------------------------------------------------------------
 OFFLOAD = ["features.activation_offload.enabled=true", "features.activation_offload.min_tensor_bytes=0"]
 MODES = {
-    "off": [],
     "offload": OFFLOAD,
     "combined": OFFLOAD + ["features.chunk_loss.mode=static", "features.recompute.enabled=true"],
 }
@@ -314,8 +313,8 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
-    """All six runs (3 modes x 1 and 2 ranks) at once: they are single-threaded processes, so the two cores share
-    them instead of waiting for each other."""
+    """The four ON runs (2 modes x 1 and 2 ranks) at once: they are single-threaded processes, so the two cores share
+    them instead of waiting for each other. The OFF runs come from the shared `parity_off` fixture."""
     root = tmp_path_factory.mktemp("offload")
     jobs = [(nproc, mode) for nproc in (1, 2) for mode in MODES]
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -330,8 +329,8 @@ def parity_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("nproc", [1, 2])
 @pytest.mark.parametrize("mode", ["offload", "combined"])
-def test_offload_on_off_parity(parity_runs, nproc, mode):
-    _, off = parity_runs[nproc, "off"]
+def test_offload_on_off_parity(parity_runs, parity_off, nproc, mode):
+    off = parity_off(nproc)
     stdout, on = parity_runs[nproc, mode]
     assert off[0]["loss"] != off[-1]["loss"]
     assert "[plan activation_offload] 2 pattern(s)" in stdout

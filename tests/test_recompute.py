@@ -51,7 +51,6 @@ class AttentionKernelCount(TorchDispatchMode):
 
 
 RECOMPUTE = {
-    "off": [],
     "full": ["features.recompute.enabled=true"],  # keeps the attention kernels' outputs (the default)
     "full_keep_nothing": ["features.recompute.enabled=true", "features.recompute.keep_attention=false"],
     "selective": ["features.recompute.enabled=true", "features.recompute.granularity=selective"],
@@ -59,18 +58,13 @@ RECOMPUTE = {
 }
 
 
-@pytest.mark.parametrize(
-    "nproc, modes", [(1, ["off", "full", "full_keep_nothing", "selective", "reentrant"]), (2, ["off", "full"])]
-)
-def test_recompute_on_off_parity(tmp_path, nproc, modes):
-    curves = {}
+@pytest.mark.parametrize("nproc, modes", [(1, ["full", "full_keep_nothing", "selective", "reentrant"]), (2, ["full"])])
+def test_recompute_on_off_parity(tmp_path, parity_off, nproc, modes):
+    off = parity_off(nproc)
     for mode in modes:
         result = train(tmp_path / mode, PARITY + RECOMPUTE[mode], nproc=nproc)
         assert result.returncode == 0, result.stderr[-3000:]
-        if mode != "off":
-            assert "[plan recompute] 2 pattern(s)" in result.stdout
+        assert "[plan recompute] 2 pattern(s)" in result.stdout
         records = read_metrics(tmp_path / mode)
-        curves[mode] = [r["loss"] for r in records], [r["grad_norm"] for r in records]
-    for mode in modes[1:]:
-        assert mean_relative_error(curves[mode][0], curves["off"][0]) <= 1e-6, mode
-        assert mean_relative_error(curves[mode][1], curves["off"][1]) <= 1e-5, mode
+        assert mean_relative_error([r["loss"] for r in records], [r["loss"] for r in off]) <= 1e-6, mode
+        assert mean_relative_error([r["grad_norm"] for r in records], [r["grad_norm"] for r in off]) <= 1e-5, mode
