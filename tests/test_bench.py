@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from test_train import clean_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +51,6 @@ def test_memory_bench_writes_a_consistent_table(tmp_path):
     """Two switches sharing their OFF run (which runs once): table, JSON and chart written, figures derived from the
     runs' own metrics."""
     out = tmp_path / "memory"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
     result = subprocess.run(
         [
             sys.executable,
@@ -62,7 +62,7 @@ def test_memory_bench_writes_a_consistent_table(tmp_path):
             "features.chunk_loss.chunk_size=64",
         ],
         cwd=REPO,
-        env={**env, "PYTHONPATH": str(REPO)},
+        env=clean_env(),
         capture_output=True,
         text=True,
         timeout=300,

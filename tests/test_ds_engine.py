@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,9 @@ import torch
 from torch import nn
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from test_train import clean_env as train_env  # noqa: E402
+from test_train import free_port  # noqa: E402
 
 import ds_compat  # noqa: E402
 from ds_compat import comm  # noqa: E402
@@ -42,16 +44,11 @@ STEPS = 30
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "SLURM_"))}
+    """test_train's clean child environment, on DeepSpeed's CPU accelerator, without the parent's backend choice."""
+    env = train_env()
     env.pop("DS_API_BACKEND", None)
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", **extra)
+    env.update(DS_ACCELERATOR="cpu", **extra)
     return env
 
 
