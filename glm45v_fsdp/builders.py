@@ -31,6 +31,7 @@ from glm45v_fsdp.model import (
     load_hf_config,
     materialize,
 )
+from glm45v_fsdp.parallel.context import ContextParallel, apply_context_parallel, check_context_parallel
 from glm45v_fsdp.parallel.fsdp import apply_fsdp, is_sharded
 from glm45v_fsdp.parallel.plan import format_matches
 from glm45v_fsdp.runtime import (
@@ -103,6 +104,16 @@ def build_model(config: Config, runtime: Runtime) -> tuple[nn.Module, object]:
         log.info(describe_offload(offload, runtime.device))
     if config.features.chunk_loss.mode != "off":
         log.info(format_matches("chunk_loss", apply_chunk_loss(model, config.features.chunk_loss)))
+    if runtime.dims.ulysses > 1:
+        check_context_parallel(hf_config, runtime.dims.ulysses, config.model.attn_implementation)
+        cp = ContextParallel(
+            group=runtime.mesh["cp"].get_group(),
+            size=runtime.dims.ulysses,
+            rank=runtime.mesh["cp"].get_local_rank(),
+            kernel=config.model.attn_implementation,
+        )
+        log.info(format_matches("context_parallel", apply_context_parallel(model, cp)))
+        log.info(cp.describe())
     matches = apply_fsdp(
         model,
         config.parallel.fsdp_plan,

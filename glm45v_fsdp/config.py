@@ -525,11 +525,12 @@ def validate(config: Config) -> None:
         _require(d.data_path is not None, "data.data_path", d.data_path, "set when data.dataset is 'json'")
     for key in ("data_parallel_replicate_size", "ulysses_parallel_size", "ring_attention_size", "expert_parallel_size"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "an integer >= 1")
-    for key in ("ulysses_parallel_size", "ring_attention_size", "expert_parallel_size"):
+    for key, what in (("ring_attention_size", "Ring attention"), ("expert_parallel_size", "expert parallelism")):
         if getattr(p, key) != 1:
             raise UserError(
-                f"Config key 'parallel.{key}' = {getattr(p, key)} is not supported by this version yet: context "
-                f"and expert parallelism are not implemented. Set parallel.{key}=1."
+                f"Config key 'parallel.{key}' = {getattr(p, key)} is not supported by this version yet: {what} is "
+                f"not implemented (context parallelism is available as parallel.ulysses_parallel_size). Set "
+                f"parallel.{key}=1."
             )
     _require(bool(p.fsdp_plan.apply_modules), "parallel.fsdp_plan.apply_modules", [], "a non-empty list of patterns")
     chunk = config.features.chunk_loss

@@ -86,6 +86,7 @@ class Trainer:
         if self.scaler is not None:
             self.log.info("fp16: %s", self.scaler.describe())
         self.hsdp = is_sharded(model) and runtime.dims.dp_replicate > 1
+        self.cp_group = runtime.mesh["cp"].get_group() if runtime.dims.cp > 1 else None
         head = model.get_submodule("lm_head")
         self.chunk_head = head if isinstance(head, ChunkedLossHead) else None
         self.chunk_trace: list[ChunkChoice] = []  # this step's chunking, one entry per micro batch
@@ -237,6 +238,8 @@ class Trainer:
             scale = micro_loss_scale(training.loss_type, valid, global_valid_tensor, accumulation, self.runtime.dp_size)
             (ce_sum * (scale * loss_scale)).backward()
             report_loss += (ce_sum.detach() * scale).double()
+        if self.cp_group is not None:  # each CP rank holds the CE of its slice of the sequence
+            dist.all_reduce(report_loss, group=self.cp_group)
         loss, tokens = self._dp_all_reduce([report_loss, local_tokens])
         grad_norm_value, stepped = unscale_clip_and_step(
             self.parameters, self.optimizer, training.clip_grad, loss_scale, loss_is_finite=math.isfinite(loss)

@@ -99,20 +99,24 @@ def choose_chunk(cfg: ChunkLossConfig, rows: int, vocab: int) -> ChunkChoice:
 class ChunkedLossHead(nn.Linear):
     """lm_head whose forward with labels returns (CE sum, supervised tokens) through the chunked loss.
 
-    Called as `lm_head(hidden, labels)` with labels aligned to the input ids (the one-token shift happens here).
+    Called as `lm_head(hidden, labels)` with labels aligned to the input ids (the one-token shift happens here), or
+    `lm_head(hidden, targets, shifted=True)` with the per-position targets (context parallelism shifts first).
     `last_choice` holds the chunking of the last call, for the step metrics.
     """
 
     chunk_config: ChunkLossConfig
     last_choice: ChunkChoice | None
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        self, hidden: torch.Tensor, labels: torch.Tensor | None = None, shifted: bool = False
+    ):
         if labels is None:
             return super().forward(hidden)
-        shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-        supervised = shifted.reshape(-1) != IGNORE_INDEX
+        if not shifted:
+            labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        supervised = labels.reshape(-1) != IGNORE_INDEX
         rows = hidden.reshape(-1, hidden.shape[-1])[supervised]
-        targets = shifted.reshape(-1)[supervised]
+        targets = labels.reshape(-1)[supervised]
         choice = choose_chunk(self.chunk_config, rows.shape[0], self.weight.shape[0])
         self.last_choice = choice
         if choice.rows == 0:  # still a (zero) weight gradient, so every rank reduce-scatters the same tensors

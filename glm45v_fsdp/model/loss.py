@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Glm4vMoeForConditionalGeneration
 
-from glm45v_fsdp.data.vocab import IGNORE_INDEX, supervised_token_count
+from glm45v_fsdp.data.vocab import IGNORE_INDEX
 from glm45v_fsdp.memory.chunk_loss import ChunkedLossHead
+from glm45v_fsdp.parallel.context import pad_to_multiple
 
 # Collated batch keys passed to Glm4vMoeModel.forward when present; bookkeeping keys are ignored.
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
@@ -56,28 +57,46 @@ def encode_images(model: nn.Module, batch: dict) -> object:
     return outputs
 
 
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Targets aligned to the positions: target[:, t] = labels[:, t + 1]; the last position predicts nothing."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
 def causal_lm_loss_sum(
-    hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor
+    hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor, shifted: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of fp32 token cross-entropy, number of supervised tokens), position t predicting labels[:, t+1].
 
     Same shift and ignore_index as transformers' ForCausalLMLoss; the last position of each row predicts nothing.
+    `shifted=True`: `labels` are already the per-position targets (context parallelism shifts before splitting).
     A ChunkedLossHead (features.chunk_loss) computes the same sum chunk by chunk, through its own forward.
     """
     if isinstance(lm_head, ChunkedLossHead):
-        return lm_head(hidden, labels)
+        return lm_head(hidden, labels, shifted=shifted)
     logits = lm_head(hidden).float()
-    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(logits.device)
+    targets = (labels if shifted else shift_labels(labels)).to(logits.device)
     loss_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    return loss_sum, supervised_token_count(labels)
+    return loss_sum, (targets != IGNORE_INDEX).sum()
 
 
 def model_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """encode_images + forward_hidden + causal_lm_loss_sum with the model's lm_head."""
+    """encode_images + forward_hidden + causal_lm_loss_sum with the model's lm_head.
+
+    Under context parallelism (`model.context_parallel`, set by the CP plan) the batch is padded to a multiple of the
+    CP size, the hidden state and the shifted labels are this rank's slice, and the returned token count is the
+    whole micro batch's, so every CP rank normalises its partial CE sum by the same (unsplit) count.
+    """
+    cp = getattr(model, "context_parallel", None)
+    if cp is None:
+        hidden = forward_hidden(model, batch, encode_images(model, batch))
+        return causal_lm_loss_sum(hidden, model.lm_head, batch["labels"])
+    batch = pad_to_multiple(batch, cp.size, model.config.text_config.pad_token_id or 0)
     hidden = forward_hidden(model, batch, encode_images(model, batch))
-    return causal_lm_loss_sum(hidden, model.lm_head, batch["labels"])
+    targets = shift_labels(batch["labels"])
+    loss_sum, _ = causal_lm_loss_sum(hidden, model.lm_head, cp.local(targets, dim=1), shifted=True)
+    return loss_sum, (targets != IGNORE_INDEX).sum()
 
 
 class Glm4vMoeForTraining(Glm4vMoeForConditionalGeneration):

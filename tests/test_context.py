@@ -1,0 +1,189 @@
+"""Ulysses context parallelism: the split language model against the unsplit one (2 gloo ranks, forward and
+backward), the batch padding, the checks, and training under CP against the 1-rank run."""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_train import PARITY, mean_relative_error, read_metrics, train
+from torch import nn
+from transformers import Glm4vMoeConfig
+from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextModel
+
+from glm45v_fsdp.config import load_config
+from glm45v_fsdp.data.vocab import IGNORE_INDEX
+from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.model.presets import PRESETS
+from glm45v_fsdp.parallel.context import (
+    ContextParallel,
+    apply_context_parallel,
+    check_context_parallel,
+    pad_to_multiple,
+)
+
+SEQ = 12
+# (query heads, key/value heads, kernel, mask) on 2 CP ranks: key/value heads split (2 per rank), one per rank, and
+# replicated (1 kv head for 2 ranks); causal without a mask, right padding, packed samples.
+CASES = [
+    (4, 4, "sdpa", "causal"),
+    (4, 2, "eager", "padding"),
+    (4, 2, "sdpa", "packed"),
+    (4, 1, "sdpa", "padding"),
+    (4, 1, "eager", "packed"),
+]
+
+
+def text_config(heads: int, kv_heads: int, kernel: str):
+    data = copy.deepcopy(PRESETS["tiny"])
+    data["text_config"].update(num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=2)
+    config = Glm4vMoeConfig.from_dict(data)
+    config._attn_implementation = kernel
+    return config.text_config
+
+
+def inputs(mask: str) -> dict:
+    """Model inputs as Glm4vMoeModel hands them to its language model: embeddings, positions, padding mask."""
+    generator = torch.Generator().manual_seed(5)
+    batch = 1 if mask == "packed" else 2
+    embeds = torch.randn(batch, SEQ, 64, generator=generator)
+    positions = torch.arange(SEQ).expand(3, batch, SEQ).clone()
+    attention_mask = None
+    if mask == "padding":
+        attention_mask = torch.ones(batch, SEQ, dtype=torch.long)
+        attention_mask[1, 7:] = 0
+        positions[:, 1, 7:] = 0
+    if mask == "packed":  # samples of 5 and 7 tokens: row 0 restarts the text positions
+        text = torch.cat([torch.arange(5), torch.arange(7)])
+        positions = torch.cat([text[None, None], positions])
+    return {"inputs_embeds": embeds, "position_ids": positions, "attention_mask": attention_mask}
+
+
+def zeros_if_none(param: nn.Parameter) -> torch.Tensor:
+    return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+def _split_worker(rank: int, world: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    errors = {}
+    for heads, kv_heads, kernel, mask in CASES:
+        cp = ContextParallel(group=group, size=world, rank=rank, kernel=kernel)
+        torch.manual_seed(0)
+        reference = Glm4vMoeTextModel(text_config(heads, kv_heads, kernel))
+        root = nn.Module()
+        root.model = nn.Module()
+        root.model.language_model = copy.deepcopy(reference)
+        apply_context_parallel(root, cp)
+        split = root.model.language_model
+        data = inputs(mask)
+        weight = torch.randn(*data["inputs_embeds"].shape, generator=torch.Generator().manual_seed(9))
+
+        full_embeds = data["inputs_embeds"].clone().requires_grad_()
+        full = reference(**{**data, "inputs_embeds": full_embeds}, use_cache=False).last_hidden_state
+        (full * weight).sum().backward()
+        local_embeds = data["inputs_embeds"].clone().requires_grad_()
+        local = split(**{**data, "inputs_embeds": local_embeds}, use_cache=False).last_hidden_state
+        (local * cp.local(weight, dim=1)).sum().backward()
+
+        # Unused parameters (the token embedding: the inputs are embeddings) have no gradient on either side.
+        grads = [local_embeds.grad] + [zeros_if_none(p) for p in split.parameters()]
+        for grad in grads:
+            dist.all_reduce(grad, group=group)  # the CP ranks' partial gradients add up to the full one
+        expected = [full_embeds.grad] + [zeros_if_none(p) for p in reference.parameters()]
+        errors[f"{heads}/{kv_heads} {kernel} {mask}"] = {
+            "output": (local - cp.local(full, dim=1)).abs().max().item(),
+            "grad": max((g - e).abs().max().item() / (e.abs().max().item() + 1e-12) for g, e in zip(grads, expected)),
+            "shape": list(local.shape),
+        }
+    with open(f"{out}.{rank}", "w") as handle:
+        json.dump(errors, handle)
+    dist.destroy_process_group()
+
+
+def test_split_language_model_matches_unsplit(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_split_worker, args=(2, port, str(tmp_path / "errors")), nprocs=2, join=True)
+    for rank in range(2):
+        errors = json.loads((tmp_path / f"errors.{rank}").read_text())
+        assert len(errors) == len(CASES)
+        for case, found in errors.items():
+            assert found["shape"][1] == SEQ // 2, case
+            assert found["output"] < 1e-5, (rank, case, found)
+            assert found["grad"] < 1e-5, (rank, case, found)
+
+
+def test_pad_to_multiple():
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+        "labels": torch.tensor([[-100, 6, 7, 8, 9]]),
+        "mm_token_type_ids": torch.zeros(1, 5, dtype=torch.int32),
+        "attention_mask": torch.ones(1, 5, dtype=torch.long),
+        "position_ids": torch.arange(5).expand(3, 1, 5),
+    }
+    padded = pad_to_multiple(batch, 4, pad_token_id=0)
+    assert padded["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
+    assert padded["labels"][0, 5:].tolist() == [IGNORE_INDEX] * 3
+    assert padded["attention_mask"].tolist() == [[1] * 5 + [0] * 3]
+    assert padded["position_ids"].shape == (3, 1, 8) and padded["mm_token_type_ids"].shape == (1, 8)
+    assert pad_to_multiple(batch, 5, pad_token_id=0) is batch
+    packed = {key: value for key, value in batch.items() if key != "attention_mask"}
+    packed["position_ids"] = torch.cat([torch.tensor([[[0, 1, 0, 1, 2]]]), batch["position_ids"]])
+    padded = pad_to_multiple(packed, 4, pad_token_id=0)
+    assert padded["position_ids"][0].tolist() == [[0, 1, 0, 1, 2, 3, 4, 5]]  # the padding joins the last sample
+    assert padded["position_ids"][1:, :, 5:].abs().sum() == 0 and "attention_mask" not in padded
+
+
+def test_checks_name_the_key():
+    hf = type("Config", (), {"text_config": text_config(4, 2, "sdpa")})
+    check_context_parallel(hf, 2, "sdpa")
+    check_context_parallel(hf, 4, "eager")
+    with pytest.raises(UserError, match="'parallel.ulysses_parallel_size' = 3 does not divide the model's 4"):
+        check_context_parallel(hf, 3, "sdpa")
+    hf6 = type("Config", (), {"text_config": text_config(12, 4, "sdpa")})
+    with pytest.raises(UserError, match="6 and the model's 4 key/value heads neither divide"):
+        check_context_parallel(hf6, 6, "sdpa")
+    with pytest.raises(UserError, match="'model.attn_implementation' = 'flash_attention_2' is not supported"):
+        check_context_parallel(hf, 2, "flash_attention_2")
+    with pytest.raises(UserError, match="'parallel.ring_attention_size' = 2 is not supported by this version yet"):
+        load_config(None, ["parallel.ring_attention_size=2"])
+    assert load_config(None, ["parallel.ulysses_parallel_size=2"]).parallel.ulysses_parallel_size == 2
+
+
+def test_training_under_ulysses_matches_one_rank(tmp_path, parity_off):
+    """CP 2 (with recompute and the chunked loss, which CP must compose with) against the plain 1-rank run."""
+    features = [
+        "features.recompute.enabled=true",
+        "features.chunk_loss.mode=static",
+        "features.chunk_loss.chunk_size=64",
+    ]
+    result = train(tmp_path, PARITY + features + ["parallel.ulysses_parallel_size=2"], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Ulysses context parallelism over 2 ranks: attention kernel sdpa" in result.stdout
+    assert "[plan context_parallel]" in result.stdout
+    records, reference = read_metrics(tmp_path), parity_off(1)
+    assert {r["global_batch_size"] for r in records} == {r["global_batch_size"] for r in reference}
+    assert mean_relative_error([r["loss"] for r in records], [r["loss"] for r in reference]) < 1e-5
+    assert mean_relative_error([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference]) < 1e-5
+
+
+def test_data_and_context_parallel_with_packing(tmp_path):
+    """4 ranks = dp 2 x cp 2 against dp 2 alone: packed micro batches of 2, global-token loss normalisation."""
+    common = [*PARITY[1:], "training.train_iters=4", "data.packing=true", "training.micro_batch_size=2"]
+    common += ["training.loss_type=per_token"]
+    curves = {}
+    for name, nproc, extra in (("dp2", 2, []), ("dp2_cp2", 4, ["parallel.ulysses_parallel_size=2"])):
+        result = train(tmp_path / name, common + extra, nproc=nproc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        curves[name] = read_metrics(tmp_path / name)
+    losses = {name: [r["loss"] for r in records] for name, records in curves.items()}
+    assert len(losses["dp2_cp2"]) == 4 and curves["dp2_cp2"][0]["global_batch_size"] == 4
+    errors = [abs(a - b) / abs(b) for a, b in zip(losses["dp2_cp2"], losses["dp2"])]
+    assert sum(errors) / len(errors) < 1e-5, errors
