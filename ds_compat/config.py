@@ -317,6 +317,10 @@ class Translation:
     world_size: int = 1
     dp_world_size: int = 1
 
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.world_size // self.dp_world_size
+
     def apply(self, base: Config) -> Config:
         """`base` with the overrides applied, validated (layout included) for this world size."""
         tree = to_dict(base)
@@ -379,12 +383,10 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
     ds, filled = resolve_auto(raw, base, dp)
     batch = resolve_batch(ds, dp)
     if sp > 1:
-        raise sections.not_yet(
-            "sequence_parallel_size",
-            sp,
-            f"it maps to parallel.ulysses_parallel_size={sp} (Ulysses context parallelism), which the engine rejects "
-            "until context parallelism lands",
-            "Set sequence_parallel_size to 1 or remove it.",
+        report.override("parallel.ulysses_parallel_size", sp)
+        report.note(
+            f"sequence_parallel_size {sp}: Ulysses context parallelism over {sp} ranks (each sequence split {sp} "
+            f"ways, all-to-all around attention); {dp} data-parallel rank(s) see different data."
         )
     report.override("training.micro_batch_size", batch.micro_batch_size)
     report.override("training.gradient_accumulation_steps", batch.gradient_accumulation_steps)

@@ -148,6 +148,14 @@ class DeepSpeedEngine(nn.Module):
         self.device_layer = device_layer()
         self.device = self.device_layer.device(self.local_rank)
         self.translation: Translation = translate(config, self.world_size)
+        if self.translation.sequence_parallel_size > 1:
+            raise UserError(
+                f"DeepSpeed config key 'sequence_parallel_size' = {self.translation.sequence_parallel_size} is not "
+                "supported by the engine API: splitting the sequence of an arbitrary module needs the model's own "
+                "sequence-parallel attention (DeepSpeed takes it through mpu / mesh_param, which this backend does "
+                "not accept). GLM-4.5V trains with Ulysses context parallelism through our trainer: "
+                "`python -m glm45v_fsdp.train --deepspeed ds_config.json`. Remove the key for the engine API."
+            )
         self.config = self.translation.ds_config  # DeepSpeed's engine.config: the config dict
         self._config = self.translation.apply(Config())
         self.dims = build_parallel_dims(self._config.parallel, self.world_size)

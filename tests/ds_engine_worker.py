@@ -22,6 +22,7 @@ import ds_api_script as script  # noqa: E402
 
 import ds_compat as deepspeed  # noqa: E402
 from ds_compat.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
+from glm45v_fsdp.errors import UserError  # noqa: E402
 
 
 def config(bf16: bool) -> dict:
@@ -106,6 +107,12 @@ def main() -> None:
     ]
     path, client_state = fresh.load_checkpoint(args.save_dir)
     checks["full_load"] = [os.path.basename(path), client_state, fresh.global_steps, fresh.get_lr()]
+
+    try:
+        deepspeed.initialize(model=script.TinyLM(), config={"train_batch_size": 2, "sequence_parallel_size": 2})
+        checks["sequence_parallel_refused"] = None
+    except UserError as error:
+        checks["sequence_parallel_refused"] = str(error)
 
     bf16_engine, *_ = build(True)
     bf16_engine.save_16bit_model(os.path.join(args.save_dir, "export16"), "model16.bin")

@@ -298,14 +298,11 @@ def test_batch_triple_matches_deepspeed(name, config, base, world_size, ds_batch
         return
     ours = resolve_batch(resolved, dp)
     assert (ours.train_batch_size, ours.micro_batch_size, ours.gradient_accumulation_steps) == expected
-    if sp > 1:
-        with pytest.raises(UserError, match="'sequence_parallel_size' = .* not supported yet"):
-            translate(config, world_size, base)
-        return
     translation = translate(config, world_size, base)
     assert translation.batch == ours
     assert len(translation.no_effect) == len(set(translation.no_effect))
     applied = translation.apply(base or Config())
+    assert applied.parallel.ulysses_parallel_size == sp == translation.sequence_parallel_size
     assert applied.training.micro_batch_size == ours.micro_batch_size
     assert applied.training.gradient_accumulation_steps == ours.gradient_accumulation_steps
     assert (
@@ -760,11 +757,15 @@ def test_fp16_maps_to_fp16_compute_and_deepspeeds_loss_scaler():
         translate({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale_window": 0}}, 1)
 
 
-def test_sequence_parallel_size_must_divide_and_is_not_supported_yet():
+def test_sequence_parallel_size_maps_to_ulysses_and_must_divide():
     with pytest.raises(UserError, match="'sequence_parallel_size' = 3 does not divide the world size 4"):
         translate({"train_batch_size": 8, "sequence_parallel_size": 3}, 4)
-    with pytest.raises(UserError, match="ulysses_parallel_size=2"):
-        translate({"train_batch_size": 8, "sequence_parallel_size": 2}, 4)
+    translation = translate({"train_batch_size": 8, "sequence_parallel_size": 2}, 4)
+    assert "parallel.ulysses_parallel_size=2" in translation.overrides
+    assert translation.dp_world_size == 2 and translation.batch.micro_batch_size * 2 == 8
+    config = translation.apply(Config())
+    assert (config.parallel.ulysses_parallel_size, config.training.micro_batch_size) == (2, 4)
+    assert "parallel.ulysses_parallel_size" not in " ".join(translate({"train_batch_size": 8}, 4).overrides)
     with pytest.raises(UserError, match="'data_parallel_size' = 4 is not world size / sequence_parallel_size"):
         translate({"train_batch_size": 8, "sequence_parallel_size": 2, "data_parallel_size": 4}, 4)
 
