@@ -133,3 +133,28 @@ def test_memory_bench_on_cuda_judges_offload_and_runs_every_process_on_the_devic
     assert bench.main([*argv, "--switches", "offload"]) == 0
     (row,) = json.loads((out / "memory.json").read_text())["rows"]
     assert not row["pass"] and "| FAIL: memory |" in (out / "memory.md").read_text()
+
+
+def test_memory_bench_ulysses_row_needs_even_ranks(tmp_path, monkeypatch):
+    """The CP row runs CP 2 with twice the accumulation on the same ranks; faked runs (no processes)."""
+    from glm45v_fsdp.tools import bench, bench_memory
+
+    commands = {}
+
+    def fake_execute(name, command, output_dir, timeout, threads=None):
+        commands[name] = command
+        record = {"step": 1, "loss": 2.0, "ms_per_iter": 10.0, "global_batch_size": 2, "tokens": 128}
+        record["mem_peak_per_rank_gib"] = [1.0, 1.0] if name == "recompute" else [0.6, 0.6]
+        return [record, {**record, "step": 2}], 1.0, 1.0
+
+    monkeypatch.setattr(bench_memory, "execute", fake_execute)
+    argv = ["memory", "--tokens", "64", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "out")]
+    assert bench.main([*argv, "--switches", "ulysses"]) == 2  # one rank cannot hold a CP group of 2
+    assert commands == {}
+    assert "ulysses" not in bench_memory.runnable_switches(1) and "ulysses" in bench_memory.runnable_switches(2)
+    assert bench.main([*argv, "--ranks", "2", "--switches", "ulysses"]) == 0
+    assert "--nproc_per_node=2" in commands["recompute_ulysses_cp2"]
+    assert "parallel.ulysses_parallel_size=2" in commands["recompute_ulysses_cp2"]
+    assert "training.gradient_accumulation_steps=2" in commands["recompute_ulysses_cp2"]
+    (row,) = json.loads((tmp_path / "out" / "memory.json").read_text())["rows"]
+    assert row["saving_max_pct"] == pytest.approx(40.0) and row["pass"]

@@ -1,5 +1,5 @@
 """Our trainer behind DeepSpeed's doors: `python -m glm45v_fsdp.train --deepspeed ds_config.json`, run by itself, by
-the real `deepspeed` launcher and by `ds-fsdp` (2 CPU ranks, ZeRO 3, bf16, WarmupCosineLR)."""
+the real `deepspeed` launcher and by `ds-fsdp` (2 CPU ranks, ZeRO 3, bf16, WarmupCosineLR, sequence parallel 2)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from test_train import PARITY, clean_env, free_port, read_metrics, train
 from ds_compat.config import translate
 
 REPO = Path(__file__).resolve().parents[1]
-ZERO3_BF16_COSINE = {
+ZERO3_BF16_COSINE_SP2 = {
     "train_micro_batch_size_per_gpu": 1,
     "gradient_accumulation_steps": 2,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
@@ -24,6 +24,7 @@ ZERO3_BF16_COSINE = {
     "zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_prefetch_bucket_size": "auto"},
     "gradient_clipping": 1.0,
     "steps_per_print": 3,
+    "sequence_parallel_size": 2,
 }
 
 
@@ -100,11 +101,12 @@ def launcher_env() -> dict[str, str]:
 
 
 def test_real_deepspeed_launcher_and_ds_fsdp_run_the_trainer(tmp_path):
-    """Both launchers start the same 2-rank job; same seed and config, so the same losses."""
+    """Both launchers start the same 2-rank job; same seed and config, so the same losses. The ds_config asks for
+    sequence parallelism over both ranks: one data-parallel rank, each sample split by Ulysses CP."""
     pytest.importorskip("deepspeed")
     deepspeed = shutil.which("deepspeed")
     assert deepspeed is not None, "the deepspeed package is installed but its launcher script is not on PATH"
-    path = write_config(tmp_path, ZERO3_BF16_COSINE)
+    path = write_config(tmp_path, ZERO3_BF16_COSINE_SP2)
     runs = {}
     for name, launcher in (
         ("deepspeed", [deepspeed]),
@@ -132,7 +134,9 @@ def test_real_deepspeed_launcher_and_ds_fsdp_run_the_trainer(tmp_path):
         assert all(len(r["ms_per_iter_per_rank"]) == 2 for r in runs[name])
         resolved = (out / "config.yaml").read_text()
         assert "param_dtype: bf16" in resolved and "reshard_after_forward: true" in resolved
+        assert "ulysses_parallel_size: 2" in resolved
+        assert "Ulysses context parallelism over 2 ranks" in result.stdout + result.stderr
     schedule = translate(path, 2).scheduler
     assert [r["lr"] for r in runs["deepspeed"]] == pytest.approx([schedule.lr_at(k) for k in range(6)], rel=1e-12)
     assert [r["loss"] for r in runs["deepspeed"]] == [r["loss"] for r in runs["ds-fsdp"]]
-    assert {r["global_batch_size"] for r in runs["deepspeed"]} == {4}
+    assert {r["global_batch_size"] for r in runs["deepspeed"]} == {2}  # micro 1 x accumulation 2 x dp 1

@@ -46,6 +46,9 @@ BOTH_SHAPE = "both"  # --vocab and --text-layers
 STATIC = "features.chunk_loss.mode=static"
 RECOMPUTE = "features.recompute.enabled=true"
 OFFLOAD = f"{OFFLOAD_KEY}=true"
+# Ulysses CP 2 at the same world size and global batch, as the reference report compares CP1 and CP2: half the
+# data-parallel ranks, each micro batch (one sample) split over 2 ranks, twice the accumulation.
+ULYSSES2 = ("parallel.ulysses_parallel_size=2", "training.gradient_accumulation_steps=2")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class RunSpec:
     shape: str
     features: tuple[str, ...]
     offload: bool = False  # needs the activation offload feature
+    cp: int = 1  # context-parallel ranks: --ranks must be a multiple
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ RUNS: dict[str, RunSpec] = {
     "recompute_keep_nothing": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, "features.recompute.keep_attention=false")),
     "recompute_selective": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, "features.recompute.granularity=selective")),
     "recompute_offload": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, OFFLOAD), offload=True),
+    "recompute_ulysses_cp2": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, *ULYSSES2), cp=2),
     "all_off": RunSpec(BOTH_SHAPE, ("features.chunk_loss.mode='off'",)),
     "all_on": RunSpec(BOTH_SHAPE, (STATIC, RECOMPUTE, OFFLOAD), offload=True),
 }
@@ -111,7 +116,19 @@ SWITCHES: dict[str, Switch] = {
         note="cpu: no separate device memory, the copies are host memory the tracker counts; judged on cuda/npu",
     ),
     "combined": Switch("All off→chunk+recompute+offload", "all_off", "all_on"),
+    "ulysses": Switch(
+        "Ulysses CP1→CP2 (on recompute)",
+        "recompute",
+        "recompute_ulysses_cp2",
+        note="same ranks and global batch: CP2 halves the data-parallel ranks and doubles the accumulation, each "
+        "sample split over 2 ranks (the reference report's CP1/CP2 set-up)",
+    ),
 }
+
+
+def runnable_switches(ranks: int) -> list[str]:
+    """The switches whose runs fit `ranks` processes (a CP run needs a multiple of its CP size)."""
+    return [name for name, sw in SWITCHES.items() if all(ranks % RUNS[run].cp == 0 for run in (sw.off, sw.on))]
 
 
 @dataclass
@@ -470,9 +487,17 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
 
 
 def run_memory(args: argparse.Namespace) -> dict[str, Any]:
+    if args.switches is None:
+        args.switches = runnable_switches(args.ranks)
     unknown = [name for name in args.switches if name not in SWITCHES]
     if unknown:
         raise UserError(f"bench memory: unknown switch(es) {unknown}; choose from {', '.join(SWITCHES)}.")
+    unfit = [name for name in args.switches if name not in runnable_switches(args.ranks)]
+    if unfit:
+        raise UserError(
+            f"bench memory: switch(es) {unfit} run context parallelism and need --ranks to be a multiple of its "
+            f"size (2); got --ranks {args.ranks}. Use --ranks 2."
+        )
     planned: list[str] = []
     for name in args.switches:
         switch = SWITCHES[name]
@@ -554,9 +579,9 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--switches",
         type=lambda text: [name.strip() for name in text.split(",") if name.strip()],
-        default=list(SWITCHES),
+        default=None,
         metavar="A,B,...",
-        help=f"comma-separated rows to measure, in order (default: all): {','.join(SWITCHES)}",
+        help=f"comma-separated rows to measure, in order (default: all that fit --ranks): {','.join(SWITCHES)}",
     )
     parser.add_argument("--out", type=Path, default=Path("output/bench/memory"), help="output directory")
     parser.add_argument("--run-timeout", type=float, default=None, help="seconds allowed per training run")
