@@ -24,6 +24,8 @@ from glm45v_fsdp.parallel.context import (
     ContextParallel,
     apply_context_parallel,
     check_context_parallel,
+    gather_rows,
+    image_owners,
     pad_to_multiple,
 )
 
@@ -101,6 +103,20 @@ def _split_worker(rank: int, world: int, port: int, out: str) -> None:
             "grad": max((g - e).abs().max().item() / (e.abs().max().item() + 1e-12) for g, e in zip(grads, expected)),
             "shape": list(local.shape),
         }
+    cp = ContextParallel(group=group, size=world, rank=rank, kernel="sdpa")
+    for counts in ([3, 2], [0, 4]):  # a rank without images contributes no rows
+        parts = [torch.randn(count, 5, generator=torch.Generator().manual_seed(r)) for r, count in enumerate(counts)]
+        weights = [torch.randn(sum(counts), 5, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+        rows = parts[rank].clone().requires_grad_()
+        gathered = gather_rows(rows, counts, cp)
+        (gathered * weights[rank]).sum().backward()
+        start = sum(counts[:rank])
+        expected_grad = sum(weights)[start : start + counts[rank]]  # every rank's use of these rows
+        errors[f"gather {counts}"] = {
+            "output": (gathered - torch.cat(parts)).abs().max().item(),
+            "grad": (rows.grad - expected_grad).abs().max().item() if counts[rank] else 0.0,
+            "shape": [1, SEQ // 2],
+        }
     with open(f"{out}.{rank}", "w") as handle:
         json.dump(errors, handle)
     dist.destroy_process_group()
@@ -113,11 +129,19 @@ def test_split_language_model_matches_unsplit(tmp_path):
     mp.spawn(_split_worker, args=(2, port, str(tmp_path / "errors")), nprocs=2, join=True)
     for rank in range(2):
         errors = json.loads((tmp_path / f"errors.{rank}").read_text())
-        assert len(errors) == len(CASES)
+        assert len(errors) == len(CASES) + 2
         for case, found in errors.items():
             assert found["shape"][1] == SEQ // 2, case
             assert found["output"] < 1e-5, (rank, case, found)
             assert found["grad"] < 1e-5, (rank, case, found)
+
+
+def test_image_owners_are_contiguous_and_balanced_by_patches():
+    assert image_owners([4, 4, 4, 4], 2) == [0, 0, 1, 1]
+    assert image_owners([100, 1, 1], 2) == [0, 1, 1]
+    assert image_owners([1, 1, 100], 2) == [0, 0, 1]
+    assert image_owners([16], 2) == [1]  # one image: the other rank runs the dummy image
+    assert image_owners([4] * 8, 4) == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 def test_pad_to_multiple():

@@ -15,7 +15,7 @@ from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.data.vocab import IGNORE_INDEX
 from glm45v_fsdp.memory.chunk_loss import ChunkedLossHead
-from glm45v_fsdp.parallel.context import pad_to_multiple
+from glm45v_fsdp.parallel.context import ContextParallel, gather_rows, image_owners, pad_to_multiple
 
 # Collated batch keys passed to Glm4vMoeModel.forward when present; bookkeeping keys are ignored.
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
@@ -47,13 +47,40 @@ def encode_images(model: nn.Module, batch: dict) -> object:
     """
     if batch.get("pixel_values") is not None:
         return model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"])
+    return _no_image_features(model, batch["input_ids"].device)
+
+
+def _no_image_features(model: nn.Module, device: torch.device) -> object:
+    """The vision tower run on a one-token dummy image, handing on an empty slice of its features."""
     vision = model.model.visual.config
     merge = vision.spatial_merge_size
-    device = batch["input_ids"].device
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     pixels = torch.zeros(merge * merge, patch_dim, device=device)
     outputs = model.model.get_image_features(pixels, torch.tensor([[1, merge, merge]], device=device))
     outputs.pooler_output = (outputs.pooler_output[0][:0],)
+    return outputs
+
+
+def encode_images_split(model: nn.Module, batch: dict, cp: ContextParallel) -> object:
+    """encode_images under context parallelism: each CP rank encodes a contiguous run of the micro batch's images
+    (balanced by patches; a rank without one runs the dummy image), and the features of all images are gathered
+    in order, so every rank merges the whole set into its copy of the embeddings."""
+    if batch.get("pixel_values") is None:
+        return _no_image_features(model, batch["input_ids"].device)
+    grid = batch["image_grid_thw"]
+    patches = grid.prod(-1).tolist()
+    owners = image_owners(patches, cp.size)
+    mine = [index for index, owner in enumerate(owners) if owner == cp.rank]
+    if mine:
+        first, end = mine[0], mine[-1] + 1
+        pixels = batch["pixel_values"][sum(patches[:first]) : sum(patches[:end])]
+        outputs = model.model.get_image_features(pixels, grid[first:end])
+    else:
+        outputs = _no_image_features(model, batch["input_ids"].device)
+    rows = torch.cat(outputs.pooler_output)
+    merged = model.model.visual.spatial_merge_size**2
+    counts = [sum(p // merged for p, owner in zip(patches, owners) if owner == rank) for rank in range(cp.size)]
+    outputs.pooler_output = (gather_rows(rows, counts, cp),)
     return outputs
 
 
@@ -93,7 +120,7 @@ def model_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.T
         hidden = forward_hidden(model, batch, encode_images(model, batch))
         return causal_lm_loss_sum(hidden, model.lm_head, batch["labels"])
     batch = pad_to_multiple(batch, cp.size, model.config.text_config.pad_token_id or 0)
-    hidden = forward_hidden(model, batch, encode_images(model, batch))
+    hidden = forward_hidden(model, batch, encode_images_split(model, batch, cp))
     targets = shift_labels(batch["labels"])
     loss_sum, _ = causal_lm_loss_sum(hidden, model.lm_head, cp.local(targets, dim=1), shifted=True)
     return loss_sum, (targets != IGNORE_INDEX).sum()

@@ -6,8 +6,10 @@ a slice of the heads), the configured attention kernel runs unchanged on it with
 all-to-all turns the output back into [B, S/cp, heads, D]. Everything else in a layer (norms, rotary, the MoE block)
 is per token and runs on the local slice.
 
-What runs on every CP rank in full: token embedding, the vision tower (the image features are merged into the full
-sequence, then sliced), the rotary positions (sliced per rank) and the causal / packed / padding mask. The loss labels
+The vision tower is split by images: each CP rank encodes a contiguous run of the micro batch's images (balanced by
+patches) and the features are all-gathered (`gather_rows`), so every rank merges all of them into its copy of the
+embeddings. What runs on every CP rank in full: token embedding, that merge, and the causal / packed / padding mask
+(the rotary positions and the embeddings are then sliced). The loss labels
 are shifted on the whole sequence before they are sliced, so a token whose target lies on the next rank is still
 supervised; the loss is normalised by the *unsplit* batch's supervised tokens, and FSDP2 sums the gradients over
 dp_shard x cp, which adds the CP ranks' partial gradients up to the full one.
@@ -126,6 +128,43 @@ def ulysses_attention(
 
 
 AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention)
+
+
+def image_owners(patches_per_image: list[int], size: int) -> list[int]:
+    """The CP rank that encodes each image: contiguous runs of images, balanced by patch count (an image goes to the
+    rank whose share of the total its middle patch falls in)."""
+    total = sum(patches_per_image)
+    owners, before = [], 0
+    for patches in patches_per_image:
+        owners.append(min(size - 1, (2 * before + patches) * size // (2 * total)))
+        before += patches
+    return owners
+
+
+class _GatherRows(torch.autograd.Function):
+    """Concatenate every CP rank's rows (rank order; `counts[r]` rows from rank r). Backward: each rank's gradient of
+    the whole is partial (it covers its slice of the sequence), so it is summed over the group before every rank
+    keeps the rows it contributed."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, counts: list[int], cp: ContextParallel):
+        ctx.counts, ctx.cp = counts, cp
+        padded = rows.new_zeros(max(counts), *rows.shape[1:])
+        padded[: rows.shape[0]] = rows
+        gathered = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(gathered, padded, group=cp.group)
+        return torch.cat([part[:count] for part, count in zip(gathered, counts)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.cp.group)
+        start = sum(ctx.counts[: ctx.cp.rank])
+        return grad[start : start + ctx.counts[ctx.cp.rank]], None, None
+
+
+def gather_rows(rows: torch.Tensor, counts: list[int], cp: ContextParallel) -> torch.Tensor:
+    return _GatherRows.apply(rows, counts, cp)
 
 
 def _language_model_forward(
