@@ -78,6 +78,15 @@ def test_preflight_tiny_on_one_and_four_ranks(capsys):
     assert four["activations"]["loss_peak"] == 3 * tokens * hf_config.text_config.vocab_size * 4
 
 
+def test_preflight_context_parallel_splits_the_activations(capsys):
+    code, out, _ = run_preflight(capsys, "--world-size", "4", "parallel.ulysses_parallel_size=2")
+    assert code == 0 and "[plan context_parallel] 1 pattern(s)" in out and "model.language_model: 1 module(s)" in out
+    cp1 = preflight_json(capsys, "--world-size", "4")["memory"]
+    cp2 = preflight_json(capsys, "--world-size", "4", "parallel.ulysses_parallel_size=2")["memory"]
+    assert cp2["activations"]["loss_peak"] * 2 == cp1["activations"]["loss_peak"]
+    assert cp2["max"]["params"] == cp1["max"]["params"]  # FSDP shards over dp_shard x cp either way
+
+
 def test_preflight_106b_on_128_ranks(capsys):
     started = time.perf_counter()
     code, out, _ = run_preflight(capsys, "--config", CONFIG_106B, "--world-size", "128", "--device-memory-gib", "64")
@@ -108,6 +117,14 @@ def test_preflight_106b_on_128_ranks(capsys):
         (["model.freeze=[model.visual.blocks.{5-6}]"], ["model.freeze", "model.visual.blocks.{5-6}"]),
         (["parallel.fsdp_plan.apply_modules=[model, lm_head]"], ["does not select ['model.visual']"]),
         (["parallel.data_parallel_replicate_size=3"], ["parallel.data_parallel_replicate_size", "world size 4"]),
+        (
+            ["features.recompute.enabled=true", "features.recompute.apply_modules=[model.nothing]"],
+            ["[plan recompute]", "features.recompute.apply_modules", "model.nothing"],
+        ),
+        (
+            ["parallel.ulysses_parallel_size=4", "model.config_overrides.text_config.num_attention_heads=6"],
+            ["[plan context_parallel]", "'parallel.ulysses_parallel_size' = 4 does not divide the model's 6"],
+        ),
     ],
 )
 def test_preflight_names_each_problem_and_exits_2(capsys, argv, names):

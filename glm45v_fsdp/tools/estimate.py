@@ -160,7 +160,7 @@ def transient_bytes(
 # --------------------------------------------------------------------------------------------------------------
 
 ACTIVATION_FORMULA = """\
-Saved for backward, per micro batch of s = micro_batch_size x data.cutoff_len tokens (image tokens included) and
+Saved for backward, per micro batch of s = micro_batch_size x data.cutoff_len / cp tokens (image tokens included) and
 P = image patches (M = P / merge^2 merged image tokens); b = bytes of param_dtype (2 for bf16), fp32 terms 4 bytes:
   RMSNorm               s x (4h + 4 + b h)        fp32 input copy, rsqrt, normalised input of the weight multiply
   attention             s x (b (h + 3 a d + 2 g d) + 4 a)

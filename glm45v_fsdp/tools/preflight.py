@@ -27,8 +27,9 @@ from glm45v_fsdp.data.processor import process_images
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.memory.chunk_loss import choose_chunk
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, build_meta_model, describe_model, load_hf_config
+from glm45v_fsdp.parallel.context import LANGUAGE_MODEL, check_context_parallel
 from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp
-from glm45v_fsdp.parallel.plan import PlanMatch
+from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims
 from glm45v_fsdp.tools.estimate import (
     ACTIVATION_FORMULA,
@@ -53,6 +54,30 @@ def _freeze_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
     return apply_freeze(model, config.model.freeze) if config.model.freeze else []
 
 
+def _recompute_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
+    recompute = config.features.recompute
+    key = "features.recompute.apply_modules"
+    return match_modules(model, recompute.apply_modules, key) if recompute.enabled else []
+
+
+def _offload_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
+    offload = config.features.activation_offload
+    key = "features.activation_offload.apply_modules"
+    return match_modules(model, offload.apply_modules, key) if offload.enabled else []
+
+
+def _chunk_loss_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
+    return match_modules(model, ["lm_head"], "features.chunk_loss") if config.features.chunk_loss.mode != "off" else []
+
+
+def _context_parallel_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
+    ulysses = config.parallel.ulysses_parallel_size
+    if ulysses == 1:
+        return []
+    check_context_parallel(model.config, ulysses, config.model.attn_implementation)
+    return match_modules(model, [LANGUAGE_MODEL], "parallel.ulysses_parallel_size")
+
+
 def _fsdp_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
     plan = dataclasses.replace(config.parallel.fsdp_plan, cpu_offload=False)
     return apply_fsdp(model, plan, _PlanOnlyMesh(), pin_memory=False, required_units=REQUIRED_FSDP_UNITS)
@@ -61,6 +86,10 @@ def _fsdp_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
 # (plan, config key, check) in the order builders.build_model applies them; each later plan adds one line here.
 PLANS: tuple[tuple[str, str, Callable[[nn.Module, Config], list[PlanMatch]]], ...] = (
     ("freeze", "model.freeze", _freeze_plan),
+    ("recompute", "features.recompute.enabled", _recompute_plan),
+    ("activation_offload", "features.activation_offload.enabled", _offload_plan),
+    ("chunk_loss", "features.chunk_loss.mode", _chunk_loss_plan),
+    ("context_parallel", "parallel.ulysses_parallel_size", _context_parallel_plan),
     ("fsdp", "parallel.fsdp_plan.apply_modules", _fsdp_plan),
 )
 
@@ -156,7 +185,7 @@ def memory_report(
     compute, reduce = DTYPES[plan.param_dtype].itemsize, DTYPES[plan.reduce_dtype].itemsize
     transient = transient_bytes(specs, shard_size, sharded, compute, reduce, plan.reshard_after_forward)
     patches, image_text = image_patches(config, hf_config, images_per_sample, image_size)
-    tokens = config.training.micro_batch_size * config.data.cutoff_len
+    tokens = config.training.micro_batch_size * config.data.cutoff_len // dims.cp  # context parallelism splits it
     chunking = config.features.chunk_loss
     chunk_rows = (
         None if chunking.mode == "off" else choose_chunk(chunking, tokens, hf_config.text_config.vocab_size).chunk_size
@@ -196,8 +225,8 @@ def memory_report(
         "device_memory_bytes": limit,
         "fits": worst <= limit,
         "assumptions": [
-            f"tokens per micro batch s = micro_batch_size {config.training.micro_batch_size} x data.cutoff_len "
-            f"{config.data.cutoff_len} = {tokens}",
+            f"tokens per micro batch and rank s = micro_batch_size {config.training.micro_batch_size} x "
+            f"data.cutoff_len {config.data.cutoff_len} / cp {dims.cp} = {tokens}",
             f"images: {image_text} = {patches} patches per micro batch",
             f"transient: {transient.assumption}",
             f"compute dtype {plan.param_dtype} (activations), reduce dtype {plan.reduce_dtype}",
@@ -277,7 +306,7 @@ def format_report(report: dict) -> str:
         if plan["patterns"] is None:
             lines.append(f"  [plan {plan['plan']}] FAILED ({plan['key']}): see the error")
         elif not plan["patterns"]:
-            lines.append(f"  [plan {plan['plan']}] not set ({plan['key']} is empty)")
+            lines.append(f"  [plan {plan['plan']}] not applied ({plan['key']}: empty or off)")
         else:
             lines.append(f"  [plan {plan['plan']}] {len(plan['patterns'])} pattern(s) ({plan['key']})")
             lines += [f"    {pattern}: {count} module(s)" for pattern, count in plan["patterns"].items()]
