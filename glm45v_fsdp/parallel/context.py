@@ -9,10 +9,10 @@ is per token and runs on the local slice.
 The vision tower is split by images: each CP rank encodes a contiguous run of the micro batch's images (balanced by
 patches) and the features are all-gathered (`gather_rows`), so every rank merges all of them into its copy of the
 embeddings. What runs on every CP rank in full: token embedding, that merge, and the causal / packed / padding mask
-(the rotary positions and the embeddings are then sliced). The loss labels
-are shifted on the whole sequence before they are sliced, so a token whose target lies on the next rank is still
-supervised; the loss is normalised by the *unsplit* batch's supervised tokens, and FSDP2 sums the gradients over
-dp_shard x cp, which adds the CP ranks' partial gradients up to the full one.
+(the rotary positions and the embeddings are then sliced). The loss labels are shifted on the whole sequence before
+they are sliced, so a token whose target lies on the next rank is still supervised; the loss is normalised by the
+*unsplit* batch's supervised tokens, and FSDP2 sums the gradients over dp_shard x cp, which adds the CP ranks'
+partial gradients up to the full one.
 
 The plan (`apply_context_parallel`) patches `model.language_model.forward` and gives every text attention module
 its own config naming the registered "glm45v_ulysses" attention, which wraps the configured kernel (sdpa or eager).
@@ -183,8 +183,8 @@ def _language_model_forward(
     Takes what Glm4vMoeModel.forward hands its language model (the merged embeddings and the data pipeline's
     position ids [3, B, S], or [4, B, S] when packed) and returns this rank's slice of the last hidden state.
     """
-    if inputs_embeds is None or position_ids is None or position_ids.ndim != 3 or cache is not None or use_cache:
-        raise ValueError("context parallelism trains on merged embeddings with the data's position ids, no cache")
+    assert inputs_embeds is not None and position_ids is not None and position_ids.ndim == 3, "merged inputs expected"
+    assert cache is None and not use_cache, "context parallelism trains without a KV cache"
     if position_ids.shape[0] == 4:  # packed: row 0 holds per-sample text positions, from which the mask is built
         text_position_ids, position_ids = position_ids[0], position_ids[1:]
     else:
