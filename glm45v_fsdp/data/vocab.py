@@ -1,8 +1,10 @@
 """Special tokens of the tiny GLM-4.5V tokenizer, shared by the tokenizer and the tiny model config.
 
 The real GLM-4.5V tokenizer uses the same token strings at ids around 151329-151364; the tiny one puts them first
-so the embedded model can keep a small vocabulary.
+so the embedded model can keep a small vocabulary. Also the label conventions (IGNORE_INDEX, the one-token shift).
 """
+
+import torch.nn.functional as F
 
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
@@ -39,6 +41,11 @@ VIDEO_END_TOKEN_ID = SPECIAL_TOKEN_IDS["<|end_of_video|>"]
 BYTE_TOKEN_OFFSET = len(SPECIAL_TOKENS)
 TINY_VOCAB_SIZE = 512
 IGNORE_INDEX = -100
+
+
+def shift_labels(labels):
+    """Targets aligned to the positions: target[..., t] = labels[..., t + 1]; the last position predicts nothing."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
 def supervised_token_count(labels):

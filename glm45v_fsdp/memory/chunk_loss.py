@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from glm45v_fsdp.config import ChunkLossConfig
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
+from glm45v_fsdp.data.vocab import IGNORE_INDEX, shift_labels
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 FP32_BYTES = 4
@@ -113,7 +113,7 @@ class ChunkedLossHead(nn.Linear):
         if labels is None:
             return super().forward(hidden)
         if not shifted:
-            labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+            labels = shift_labels(labels)
         supervised = labels.reshape(-1) != IGNORE_INDEX
         rows = hidden.reshape(-1, hidden.shape[-1])[supervised]
         targets = labels.reshape(-1)[supervised]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Glm4vMoeForConditionalGeneration
 
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
+from glm45v_fsdp.data.vocab import IGNORE_INDEX, shift_labels
 from glm45v_fsdp.memory.chunk_loss import ChunkedLossHead
 from glm45v_fsdp.parallel.context import ContextParallel, gather_rows, image_owners, pad_to_multiple
 
@@ -82,11 +82,6 @@ def encode_images_split(model: nn.Module, batch: dict, cp: ContextParallel) -> o
     counts = [sum(p // merged for p, owner in zip(patches, owners) if owner == rank) for rank in range(cp.size)]
     outputs.pooler_output = (gather_rows(rows, counts, cp),)
     return outputs
-
-
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Targets aligned to the positions: target[:, t] = labels[:, t + 1]; the last position predicts nothing."""
-    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
 def causal_lm_loss_sum(
