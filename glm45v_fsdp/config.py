@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.errors import ConfigError, UserError
 
 DTypeName = Literal["bf16", "fp16", "fp32"]
 
@@ -210,12 +211,38 @@ CONFIG_DIR_ENV = "GLM45V_FSDP_CONFIG_DIR"
 DEFAULT_CONFIG_NAME = "glm45v_tiny.yaml"
 
 
-def default_config_path() -> Path:
-    """`configs/glm45v_tiny.yaml` of the source tree, or the copy installed inside the package."""
-    source_tree = Path(__file__).resolve().parent.parent / "configs" / DEFAULT_CONFIG_NAME
-    if source_tree.is_file():
+def packaged_config_dir() -> Path:
+    """`configs/` of the source tree, or the copy installed inside the package (glm45v_fsdp.configs)."""
+    source_tree = Path(__file__).resolve().parent.parent / "configs"
+    if (source_tree / DEFAULT_CONFIG_NAME).is_file():
         return source_tree
-    return Path(__file__).resolve().parent / "configs" / DEFAULT_CONFIG_NAME
+    return Path(__file__).resolve().parent / "configs"
+
+
+def default_config_path() -> Path:
+    """configs/glm45v_tiny.yaml: what every entry point runs without --config."""
+    return packaged_config_dir() / DEFAULT_CONFIG_NAME
+
+
+def packaged_config_names() -> list[str]:
+    return sorted(path.stem for path in packaged_config_dir().glob("*.yaml"))
+
+
+def resolve_config_path(name: str | Path | None) -> Path:
+    """--config: an existing file, else the name of a shipped config (`glm45v_106b_sft` or `glm45v_106b_sft.yaml`),
+    so the packaged configs work from any directory; None is the default config."""
+    if name is None:
+        return default_config_path()
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    packaged = packaged_config_dir() / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    if path.parent == Path(".") and packaged.is_file():
+        return packaged
+    raise UserError(
+        f"Config file '{name}' does not exist. Pass an existing YAML file with --config, or the name of a shipped "
+        f"config: {', '.join(packaged_config_names())}."
+    )
 
 
 def _all_keys(cls: type, prefix: str = "") -> list[str]:
@@ -232,13 +259,13 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
 ALL_KEYS: list[str] = _all_keys(Config)
 
 
-def _unknown_key_error(path: str, valid_here: list[str]) -> UserError:
+def _unknown_key_error(path: str, valid_here: list[str]) -> ConfigError:
     close = difflib.get_close_matches(path, ALL_KEYS, n=1, cutoff=0.5)
     if not close:
         leaf = path.rsplit(".", 1)[-1]
         close = [key for key in ALL_KEYS if key.rsplit(".", 1)[-1] == leaf][:1]
     hint = f" Did you mean '{close[0]}'?" if close else ""
-    return UserError(f"Unknown config key '{path}'.{hint} Valid keys here: {', '.join(valid_here)}.")
+    return ConfigError(f"Unknown config key '{path}'.{hint} Valid keys here: {', '.join(valid_here)}.")
 
 
 def _type_name(tp: Any) -> str:
@@ -263,7 +290,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         for option in typing.get_args(tp):
             try:
                 return _coerce(value, option, path)
-            except UserError:
+            except ConfigError:
                 continue
         raise _type_error(value, tp, path)
     if tp is type(None):
@@ -276,7 +303,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             return value
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise UserError(f"Config key '{path}' = {value!r} is not one of {list(choices)}.{hint}")
+        raise ConfigError(f"Config key '{path}' = {value!r} is not one of {list(choices)}.{hint}")
     if origin is list:
         if not isinstance(value, list):
             raise _type_error(value, tp, path)
@@ -289,6 +316,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.lower() in YAML_BOOL_WORDS:  # YAML 1.1 habits: `enabled: yes`
+            return YAML_BOOL_WORDS[value.lower()]
         raise _type_error(value, tp, path)
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -297,11 +326,6 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
         raise _type_error(value, tp, path)
     if tp is str:
         if isinstance(value, str):
@@ -310,8 +334,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     raise AssertionError(f"unsupported annotation {tp} at {path}")
 
 
-def _type_error(value: Any, tp: Any, path: str) -> UserError:
-    return UserError(
+def _type_error(value: Any, tp: Any, path: str) -> ConfigError:
+    return ConfigError(
         f"Config key '{path}' expects {_type_name(tp)}, got {value!r} ({type(value).__name__}). "
         f"Fix the value in the YAML file or the command-line override."
     )
@@ -321,7 +345,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError(f"Config section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}.")
+        raise ConfigError(f"Config section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}.")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -349,13 +373,43 @@ def _split_flow_list(text: str) -> list[str]:
     return items
 
 
+class YamlLoader(yaml.SafeLoader):
+    """YAML with the scalars of YAML 1.2's core schema, for config files and command-line values alike.
+
+    PyYAML follows YAML 1.1, where `off`, `on`, `yes` and `no` are booleans (so `mode: off`, a documented value of
+    features.chunk_loss.mode, arrived as False) and `1e-4` is a string (no dot). Here only true/false are booleans and
+    `1e-4` is a float; a bool key still accepts yes/no/on/off (see `_coerce`).
+    """
+
+
+_BOOL_TAG, _FLOAT_TAG = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regex) for tag, regex in resolvers if tag not in (_BOOL_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+YamlLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+YamlLoader.add_implicit_resolver(
+    _FLOAT_TAG,
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+.0123456789"),
+)
+YAML_BOOL_WORDS = {"yes": True, "on": True, "no": False, "off": False}
+
+
+def yaml_load(text: str) -> Any:
+    """`text` parsed with YamlLoader (YAML 1.2 scalars)."""
+    return yaml.load(text, Loader=YamlLoader)  # noqa: S506 - YamlLoader is a SafeLoader
+
+
 def parse_override_value(text: str) -> Any:
-    """Command-line values are read as YAML scalars or flow lists: `3`, `1e-4`, `true`, `null`, `[a, b]`.
+    """Command-line values are read as YAML scalars or flow lists: `3`, `1e-4`, `true`, `null`, `off`, `[a, b]`.
 
     A list whose items YAML cannot read (module patterns with `{0-3,5}`) is split by hand.
     """
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        return yaml_load(text) if text != "" else ""
     except yaml.YAMLError:
         if text.strip().startswith("[") and text.strip().endswith("]"):
             return [parse_override_value(item) for item in _split_flow_list(text)]
@@ -370,7 +424,7 @@ def _set_path(tree: dict, path: str, raw: str) -> None:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise UserError(f"Override '{path}={raw}': '{'.'.join(parts[: depth + 1])}' is a value, not a section.")
+            raise ConfigError(f"Override '{path}={raw}': '{'.'.join(parts[: depth + 1])}' is a value, not a section.")
         node = child
     node[parts[-1]] = _override_value_for(path, raw)
 
@@ -409,32 +463,33 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return merged
 
 
-def read_yaml(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"Config file '{path}' does not exist. Pass an existing YAML file with --config.")
+def read_yaml(path: str | Path | None) -> dict:
+    """The mapping of sections in config file `path` (resolved by `resolve_config_path`)."""
+    path = resolve_config_path(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml_load(path.read_text()) or {}
     except yaml.YAMLError as error:
         raise UserError(f"Config file '{path}' is not valid YAML: {error}") from None
     if not isinstance(data, dict):
-        raise UserError(f"Config file '{path}' must hold a mapping of sections, got {type(data).__name__}.")
+        raise ConfigError(f"Config file '{path}' must hold a mapping of sections, got {type(data).__name__}.")
     return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """YAML (default: configs/glm45v_tiny.yaml) + `key.path=value` overrides -> validated Config."""
-    tree = read_yaml(path if path is not None else default_config_path())
+    tree = read_yaml(path)
     override_tree: dict = {}
     for item in overrides:
         if "=" not in item:
-            raise UserError(f"Override '{item}' has no '='. Write overrides as key.path=value, e.g. training.lr=1e-4.")
+            raise ConfigError(
+                f"Override '{item}' has no '='. Write overrides as key.path=value, e.g. training.lr=1e-4."
+            )
         key, raw = item.split("=", 1)
         key = key.strip()
         if key.startswith("--"):
             key = key[2:]
         if not key:
-            raise UserError(f"Override '{item}' has an empty key. Write key.path=value.")
+            raise ConfigError(f"Override '{item}' has an empty key. Write key.path=value.")
         _set_path(override_tree, key, raw)
     config = _build(Config, _deep_merge(tree, override_tree), "")
     validate(config)
@@ -454,7 +509,7 @@ def config_from_dict(tree: dict) -> Config:
 
 def _require(condition: bool, key: str, value: Any, need: str) -> None:
     if not condition:
-        raise UserError(f"Config key '{key}' = {value!r} is invalid: it must be {need}.")
+        raise ConfigError(f"Config key '{key}' = {value!r} is invalid: it must be {need}.")
 
 
 def validate(config: Config) -> None:
@@ -523,11 +578,19 @@ def validate(config: Config) -> None:
     _require(d.synthetic_image_size >= 28, "data.synthetic_image_size", d.synthetic_image_size, ">= 28 pixels")
     if d.dataset == "json":
         _require(d.data_path is not None, "data.data_path", d.data_path, "set when data.dataset is 'json'")
+    else:
+        for key in ("data_path", "image_root"):
+            if getattr(d, key) is not None:
+                raise ConfigError(
+                    f"Config key 'data.{key}' = {getattr(d, key)!r} is set, but data.dataset is 'synthetic', which "
+                    f"reads no file: the run would train on built-in synthetic data. Set data.dataset=json to train "
+                    f"on the file, or remove data.{key}."
+                )
     for key in ("data_parallel_replicate_size", "ulysses_parallel_size", "ring_attention_size", "expert_parallel_size"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "an integer >= 1")
     for key, what in (("ring_attention_size", "Ring attention"), ("expert_parallel_size", "expert parallelism")):
         if getattr(p, key) != 1:
-            raise UserError(
+            raise ConfigError(
                 f"Config key 'parallel.{key}' = {getattr(p, key)} is not supported by this version yet: {what} is "
                 f"not implemented (context parallelism is available as parallel.ulysses_parallel_size). Set "
                 f"parallel.{key}=1."
@@ -569,14 +632,14 @@ def validate_layout(p: ParallelConfig, world_size: int) -> None:
     """Checks that need the world size: every parallel size must divide it."""
     cp = p.ulysses_parallel_size * p.ring_attention_size
     if world_size % (p.data_parallel_replicate_size * cp) != 0:
-        raise UserError(
+        raise ConfigError(
             f"Config key 'parallel.data_parallel_replicate_size' = {p.data_parallel_replicate_size} times the "
             f"context-parallel size {cp} does not divide the world size {world_size}. Choose sizes whose product "
             f"divides {world_size}."
         )
     dp_shard = world_size // (p.data_parallel_replicate_size * cp)
     if (dp_shard * cp) % p.expert_parallel_size != 0:
-        raise UserError(
+        raise ConfigError(
             f"Config key 'parallel.expert_parallel_size' = {p.expert_parallel_size} does not divide "
             f"dp_shard x cp = {dp_shard * cp} (world size {world_size}). Choose a divisor of {dp_shard * cp}."
         )

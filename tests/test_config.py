@@ -1,5 +1,6 @@
 """Config schema: YAML + typed overrides, and errors that name the key and the closest valid key."""
 
+import typing
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import yaml
 from glm45v_fsdp.config import (
     ALL_KEYS,
     Config,
+    _field_type,
     default_config_path,
     dump_yaml,
     load_config,
@@ -111,3 +113,86 @@ def test_docs_list_every_key():
     text = (REPO / "docs" / "config.md").read_text()
     missing = [key for key in ALL_KEYS if f"`{key}`" not in text and "." in key]
     assert missing == []
+
+
+def _literal_keys() -> list[tuple[str, tuple]]:
+    """Every key of the schema whose type is a Literal of strings (the enum keys), with its choices."""
+    keys = []
+    for key in ALL_KEYS:
+        field_type = _field_type(key)
+        if typing.get_origin(field_type) is typing.Literal:
+            keys.append((key, typing.get_args(field_type)))
+    return keys
+
+
+def _nested(key: str, value: object) -> dict:
+    tree: dict = {}
+    node = tree
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return tree
+
+
+def test_every_enum_value_reads_as_written_from_files_and_overrides(tmp_path):
+    """YAML 1.1 read `mode: off` as False; the config reads YAML 1.2 scalars, so each documented literal (off, on,
+    none, ...) arrives as its string, from a YAML file and from a key=value override alike."""
+    keys = _literal_keys()
+    assert len(keys) >= 10 and ("features.chunk_loss.mode", ("off", "static", "dynamic")) in keys
+    needs = {  # what makes the rest of the config valid
+        ("data.dataset", "json"): ["data.data_path=d.json"],
+        ("training.load_format", "hf"): ["training.load=ckpt"],
+        ("training.load_format", "dcp"): ["training.load=ckpt"],
+    }
+    for key, choices in keys:
+        for choice in choices:
+            path = tmp_path / "c.yaml"
+            path.write_text(f"{key.split('.')[0]}:\n" + _yaml_block(key.split(".")[1:], choice, 1))
+            extra = needs.get((key, choice), [])
+            from_file = _value_of(load_config(path, extra), key)
+            from_override = _value_of(load_config(None, [f"{key}={choice}", *extra]), key)
+            assert from_file == from_override == choice, (key, choice, from_file, from_override)
+
+
+def _yaml_block(parts: list[str], value: str, depth: int) -> str:
+    """`a:\\n  b: value` as a user writes it by hand (unquoted)."""
+    indent = "  " * depth
+    if len(parts) == 1:
+        return f"{indent}{parts[0]}: {value}\n"
+    return f"{indent}{parts[0]}:\n" + _yaml_block(parts[1:], value, depth + 1)
+
+
+def _value_of(config: Config, key: str) -> object:
+    node: object = config
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def test_bool_keys_take_yaml_11_words_and_floats_need_no_dot(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("features:\n  recompute:\n    enabled: yes\ntraining:\n  lr: 1e-3\n  deterministic: off\n")
+    config = load_config(path, ["features.activation_offload.enabled=on"])
+    assert config.features.recompute.enabled is True and config.features.activation_offload.enabled is True
+    assert config.training.deterministic is False and config.training.lr == 1e-3
+    with pytest.raises(UserError, match="'training.deterministic' expects bool, got 'maybe'"):
+        load_config(None, ["training.deterministic=maybe"])
+
+
+@pytest.mark.parametrize("key", ["data.data_path", "data.image_root"])
+def test_a_data_file_with_synthetic_data_is_an_error(tmp_path, key):
+    """data.data_path without data.dataset=json used to train on synthetic data, silently."""
+    with pytest.raises(UserError, match=rf"'{key}' = .* data.dataset is 'synthetic'.*Set data.dataset=json"):
+        load_config(None, [f"{key}={tmp_path}"])
+    assert load_config(None, ["data.dataset=json", f"data.data_path={tmp_path}/d.json"]).data.dataset == "json"
+
+
+def test_shipped_configs_are_reachable_by_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside the checkout: no configs/ folder here
+    for name in ("glm45v_106b_sft", "glm45v_106b_sft.yaml"):
+        assert load_config(name).model.preset == "glm-4.5v"
+    with pytest.raises(UserError, match="shipped config: glm45v_106b_sft, glm45v_tiny"):
+        load_config("glm45v_107b")
+    (tmp_path / "glm45v_106b_sft.yaml").write_text("training:\n  train_iters: 3\n")
+    assert load_config("glm45v_106b_sft.yaml").model.preset == "tiny"  # a file of that name wins
