@@ -1,6 +1,7 @@
 """Typed reads of ds_config values and the running report of a translation.
 
-Every failed read is a UserError that names the DeepSpeed key, its value and the fix.
+Every failed read is a ConfigError (a UserError every rank finds alike) that names the DeepSpeed key, its value
+and the fix.
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.errors import ConfigError
 
 
-def key_error(path: str, value: Any, problem: str, fix: str) -> UserError:
-    return UserError(f"DeepSpeed config key '{path}' = {value!r} {problem}. {fix}")
+def key_error(path: str, value: Any, problem: str, fix: str) -> ConfigError:
+    return ConfigError(f"DeepSpeed config key '{path}' = {value!r} {problem}. {fix}")
 
 
-def unknown_key_error(path: str, value: Any, valid: Iterable[str], why: str) -> UserError:
+def unknown_key_error(path: str, value: Any, valid: Iterable[str], why: str) -> ConfigError:
     prefix, _, leaf = path.rpartition(".")
     close = difflib.get_close_matches(leaf, sorted(valid), n=1, cutoff=0.6)
     hint = f"Did you mean '{prefix + '.' if prefix else ''}{close[0]}'? " if close else ""

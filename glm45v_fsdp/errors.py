@@ -1,13 +1,29 @@
 """The one exception type for mistakes a user can fix (config, paths, data, layout).
 
-Entry points catch it, print its message as one paragraph and exit non-zero without a traceback.
-Anything else that escapes is a bug and keeps its traceback.
+Entry points catch it, print its message as one paragraph (`report_user_error`) and exit non-zero without a
+traceback. Anything else that escapes is a bug and keeps its traceback.
 """
+
+import sys
 
 
 class UserError(ValueError):
     """A problem in the user's input: the message names the key or path, the value and the fix."""
 
 
+class ConfigError(UserError):
+    """A problem of the configuration itself (a key, a value, the layout, a plan pattern). Every rank finds the same
+    one, so entry points print it on rank 0 only."""
+
+
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (e.g. the non-finite loss policy); the message says why and what to change."""
+
+
+def report_user_error(program: str, error: UserError) -> None:
+    """Print `error` as one paragraph on stderr; a ConfigError only on rank 0 (every rank has the same one)."""
+    from glm45v_fsdp.runtime.dist import launcher_rank
+
+    if isinstance(error, ConfigError) and launcher_rank() != 0:
+        return
+    print(f"{program}: error: {error}", file=sys.stderr)

@@ -15,7 +15,7 @@ from transformers import Glm4vMoeConfig, PreTrainedConfig
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextExperts
 
 from glm45v_fsdp.config import ModelConfig
-from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.errors import ConfigError, UserError
 from glm45v_fsdp.model.loss import Glm4vMoeForTraining
 from glm45v_fsdp.model.presets import PRESETS
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
@@ -55,7 +55,7 @@ def _make_config(data: dict, source: str) -> Glm4vMoeConfig:
     try:
         return Glm4vMoeConfig.from_dict(copy.deepcopy(data))
     except (StrictDataclassError, ValueError, TypeError) as error:
-        raise UserError(f"{source} gives an invalid GLM-4.5V config: {error}. Fix the value named above.") from None
+        raise ConfigError(f"{source} gives an invalid GLM-4.5V config: {error}. Fix the value named above.") from None
 
 
 def _merge_overrides(base: dict, overrides: dict, reference: Any, path: str) -> dict:
@@ -65,7 +65,7 @@ def _merge_overrides(base: dict, overrides: dict, reference: Any, path: str) -> 
     keys are merged unchecked). Attribute aliases (num_local_experts, num_heads, ...) map to their stored key.
     """
     if not isinstance(overrides, dict):
-        raise UserError(f"Config key '{path}' must be a mapping of config keys, got {overrides!r}.")
+        raise ConfigError(f"Config key '{path}' must be a mapping of config keys, got {overrides!r}.")
     merged = dict(base)
     aliases = getattr(reference, "attribute_map", {}) if reference is not None else {}
     for key, value in overrides.items():
@@ -74,7 +74,7 @@ def _merge_overrides(base: dict, overrides: dict, reference: Any, path: str) -> 
         if reference is not None and key not in base:
             close = difflib.get_close_matches(str(key), [str(k) for k in base], n=1, cutoff=0.6)
             hint = f" Did you mean '{path}.{close[0]}'?" if close else ""
-            raise UserError(
+            raise ConfigError(
                 f"Config key '{full}' is not a key of the GLM-4.5V config.{hint} Valid keys here: "
                 f"{', '.join(sorted(k for k in base if not k.startswith('_')))}."
             )

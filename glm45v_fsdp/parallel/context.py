@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextAttention, eager_attention_forward
 
 from glm45v_fsdp.data.vocab import IGNORE_INDEX
-from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.errors import ConfigError
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 ULYSSES_ATTENTION = "glm45v_ulysses"
@@ -230,23 +230,23 @@ def pad_to_multiple(batch: dict, size: int, pad_token_id: int) -> dict:
 
 
 def check_context_parallel(hf_config: Any, ulysses: int, kernel: str) -> None:
-    """UserError when the model's heads or the attention kernel cannot be split `ulysses` ways."""
+    """ConfigError when the model's heads or the attention kernel cannot be split `ulysses` ways."""
     text = hf_config.text_config
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     if heads % ulysses:
-        raise UserError(
+        raise ConfigError(
             f"Config key 'parallel.ulysses_parallel_size' = {ulysses} does not divide the model's "
             f"{heads} attention heads (Ulysses gives every CP rank heads/{ulysses} of them). Choose a divisor of "
             f"{heads}."
         )
     if kv_heads % ulysses and ulysses % kv_heads:
-        raise UserError(
+        raise ConfigError(
             f"Config key 'parallel.ulysses_parallel_size' = {ulysses} and the model's {kv_heads} key/value heads "
             f"neither divide one another, so the key/value heads cannot be split or replicated evenly. Choose a "
             f"divisor or a multiple of {kv_heads} that divides {heads}."
         )
     if kernel not in CP_KERNELS:
-        raise UserError(
+        raise ConfigError(
             f"Config key 'model.attn_implementation' = {kernel!r} is not supported with Ulysses context parallelism "
             f"(parallel.ulysses_parallel_size = {ulysses}) yet: its packed-sequence path reads per-rank position ids. "
             f"Set model.attn_implementation to one of {', '.join(CP_KERNELS)}."

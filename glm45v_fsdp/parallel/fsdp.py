@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from glm45v_fsdp.config import FsdpPlanConfig
-from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.errors import ConfigError
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -42,7 +42,7 @@ def apply_fsdp(
     present = dict(model.named_modules())
     missing = [unit for unit in required_units if unit in present and unit not in selected_names]
     if missing:
-        raise UserError(
+        raise ConfigError(
             f"Config key 'parallel.fsdp_plan.apply_modules' = {plan.apply_modules} does not select {missing}. The "
             f"training forward runs {', '.join(required_units)} outside its parent module's forward, so each must be "
             f"an FSDP unit of its own: add {missing} to parallel.fsdp_plan.apply_modules."

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.errors import ConfigError
 
 _BRACE = re.compile(r"^\{(.*)\}$")
 _RANGE_ITEM = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
@@ -26,7 +26,7 @@ def _segment_regex(segment: str, pattern: str, key: str) -> str:
     brace = _BRACE.match(segment)
     if brace is None:
         if not segment or any(ch in segment for ch in "{}*"):
-            raise UserError(
+            raise ConfigError(
                 f"{key}: pattern {pattern!r} has a malformed segment {segment!r}; use a module name, '{{*}}' or "
                 f"integer ranges such as '{{0-3,5}}'."
             )
@@ -35,14 +35,14 @@ def _segment_regex(segment: str, pattern: str, key: str) -> str:
     for item in brace.group(1).split(","):
         found = _RANGE_ITEM.match(item)
         if found is None:
-            raise UserError(
+            raise ConfigError(
                 f"{key}: pattern {pattern!r} has a malformed range {segment!r}; write integers and inclusive ranges "
                 f"such as '{{0-20,22-40}}'."
             )
         low = int(found.group(1))
         high = int(found.group(2)) if found.group(2) is not None else low
         if high < low:
-            raise UserError(f"{key}: pattern {pattern!r} has the empty range {item.strip()!r} (end before start).")
+            raise ConfigError(f"{key}: pattern {pattern!r} has the empty range {item.strip()!r} (end before start).")
         indices.extend(str(index) for index in range(low, high + 1))
     return "(?:" + "|".join(indices) + ")"
 
@@ -77,7 +77,7 @@ def match_modules(model: nn.Module, patterns: list[str], key: str) -> list[PlanM
         matches.append(PlanMatch(pattern, selected))
     if unmatched:
         roots = sorted({name.split(".")[0] for name in names})
-        raise UserError(
+        raise ConfigError(
             f"{key}: pattern(s) {unmatched} match no module of {type(model).__name__}. Module names start with "
             f"{roots}; check the spelling against `python -m glm45v_fsdp.tools.preflight` or the model's "
             f"named_modules(), and remove patterns for modules this model does not have."

@@ -5,7 +5,14 @@ See docs/runtime.md for which launcher variable maps to which field and what is 
 """
 
 from glm45v_fsdp.runtime.device import DeviceLayer, select_device
-from glm45v_fsdp.runtime.dist import DistEnv, detect_dist_env, expand_slurm_nodelist, init_distributed, shutdown
+from glm45v_fsdp.runtime.dist import (
+    DistEnv,
+    detect_dist_env,
+    expand_slurm_nodelist,
+    init_distributed,
+    launcher_rank,
+    shutdown,
+)
 from glm45v_fsdp.runtime.memory import MemoryMeter
 from glm45v_fsdp.runtime.mesh import ParallelDims, build_device_mesh, build_parallel_dims, flattened_mesh, fsdp_mesh
 from glm45v_fsdp.runtime.seed import set_deterministic, set_seed
@@ -22,6 +29,7 @@ __all__ = [
     "flattened_mesh",
     "fsdp_mesh",
     "init_distributed",
+    "launcher_rank",
     "select_device",
     "set_deterministic",
     "set_seed",
