@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import Dataset
 
 from glm45v_fsdp.checkpoint.dcp import load_checkpoint, resolve_load
 from glm45v_fsdp.checkpoint.hf import load_hf_weights
@@ -48,6 +49,7 @@ from glm45v_fsdp.runtime import (
     set_deterministic,
     set_seed,
 )
+from glm45v_fsdp.runtime.threads import configure_cpu_threads
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Runtime:
     dims: ParallelDims
     mesh: DeviceMesh
     dp_mesh: DeviceMesh  # the flattened (dp_replicate x dp_shard) mesh: data loading and loss reduction
+    cpu_threads: str  # what configure_cpu_threads chose, for the log
 
     @property
     def torch_device(self) -> torch.device:
@@ -79,20 +82,23 @@ def build_runtime(config: Config, local_rank_arg: int | None = None) -> Runtime:
     """Device, process group, parallel dims and meshes. The layout is validated before the group starts."""
     env = detect_dist_env(local_rank_arg=local_rank_arg)
     dims = build_parallel_dims(config.parallel, env.world_size)
+    cpu_threads = configure_cpu_threads(env.local_world_size)
     device = select_device(config.training.device)
     set_deterministic(config.training.deterministic, device)  # before init: HCCL reads its variable at init
     init_distributed(env, device)
     set_seed(config.training.seed, device)
     mesh = build_device_mesh(dims, device.type)
-    return Runtime(device=device, env=env, dims=dims, mesh=mesh, dp_mesh=flattened_mesh(mesh, "dp"))
+    return Runtime(
+        device=device, env=env, dims=dims, mesh=mesh, dp_mesh=flattened_mesh(mesh, "dp"), cpu_threads=cpu_threads
+    )
 
 
-def build_model(config: Config, runtime: Runtime) -> tuple[nn.Module, object]:
+def build_model(config: Config, runtime: Runtime, hf_config: object | None = None) -> tuple[nn.Module, object]:
     """GLM-4.5V on the meta device -> plans -> FSDP2 -> weights on the device -> HF weights (training.load).
-    Returns (model, hf_config)."""
+    Returns (model, hf_config); `hf_config` defaults to load_hf_config(config.model)."""
     log = get_logger()
     source = resolve_load(config.training)
-    hf_config = load_hf_config(config.model)
+    hf_config = hf_config if hf_config is not None else load_hf_config(config.model)
     model = build_meta_model(hf_config)
     if config.model.freeze:
         log.info(format_matches("freeze", apply_freeze(model, config.model.freeze)))
@@ -176,13 +182,29 @@ def move_buffers(model: nn.Module, device: torch.device) -> None:
             module._buffers[name] = buffer.to(device)
 
 
-def build_data(config: Config, runtime: Runtime, hf_config: object, start_step: int = 0):
-    """Tokenizer, image processor, data set and this rank's loader of micro batches (in training order)."""
+@dataclass
+class TrainingData:
+    """The data set and the tokenizer / image processor that encode it (built before the model: a bad data file
+    stops the run before anything expensive)."""
+
+    dataset: Dataset
+    tokenizer: object
+    image_processor: object
+
+
+def build_training_data(config: Config, hf_config: object) -> TrainingData:
+    """Tokenizer, image processor and the data set of data.dataset, every record checked; logs what data is used."""
     tokenizer = load_tokenizer(config.model.name_or_path)
     image_processor = load_image_processor(config.model.name_or_path, hf_config.vision_config)
     dataset = build_dataset(config.data, hf_config, tokenizer, image_processor)
+    get_logger().info("data: %s", dataset.summary())
+    return TrainingData(dataset, tokenizer, image_processor)
+
+
+def build_loader(config: Config, runtime: Runtime, data: TrainingData, start_step: int = 0):
+    """This rank's loader of micro batches (in training order) over `data.dataset`."""
     sampler = GlobalBatchSampler(
-        dataset_size=len(dataset),
+        dataset_size=len(data.dataset),
         micro_batch_size=config.training.micro_batch_size,
         gradient_accumulation_steps=config.training.gradient_accumulation_steps,
         dp_rank=runtime.dp_rank,
@@ -191,7 +213,16 @@ def build_data(config: Config, runtime: Runtime, hf_config: object, start_step: 
         shuffle=config.data.shuffle,
         start_step=start_step,
     )
-    loader = build_dataloader(
-        dataset, sampler, tokenizer.pad_token_id, packing=config.data.packing, num_workers=config.data.num_workers
+    return build_dataloader(
+        data.dataset,
+        sampler,
+        data.tokenizer.pad_token_id,
+        packing=config.data.packing,
+        num_workers=config.data.num_workers,
     )
-    return loader, tokenizer
+
+
+def build_data(config: Config, runtime: Runtime, hf_config: object, start_step: int = 0):
+    """build_training_data + build_loader: (loader, tokenizer)."""
+    data = build_training_data(config, hf_config)
+    return build_loader(config, runtime, data, start_step), data.tokenizer

@@ -17,11 +17,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from glm45v_fsdp.errors import TrainingStopped, UserError
+from glm45v_fsdp.errors import TrainingStopped, UserError, report_user_error
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from glm45v_fsdp.builders import TrainingData
     from glm45v_fsdp.config import Config
 
 EXIT_USER_ERROR = 2
@@ -90,12 +91,13 @@ def deepspeed_config_path(args: argparse.Namespace) -> str | None:
 
 def run(argv: list[str]) -> dict:
     """Parse, validate, build, resume (DCP), train, export (training.save_hf); returns the end-of-run summary."""
-    from glm45v_fsdp.builders import build_data, build_model, build_runtime
+    from glm45v_fsdp.builders import build_loader, build_model, build_runtime, build_training_data
     from glm45v_fsdp.checkpoint.dcp import check_save_targets, resolve_load
     from glm45v_fsdp.checkpoint.state import data_start_step, read_trainer_state
     from glm45v_fsdp.config import load_config
-    from glm45v_fsdp.log import setup_logging
+    from glm45v_fsdp.log import get_logger, setup_logging
     from glm45v_fsdp.metrics import check_outputs
+    from glm45v_fsdp.model import load_hf_config
     from glm45v_fsdp.runtime import shutdown
     from glm45v_fsdp.trainer import Trainer
 
@@ -114,23 +116,26 @@ def run(argv: list[str]) -> dict:
     check_save_targets(config.training)
     source = resolve_load(config.training)  # path errors before any collective; build_model loads HF weights
     resume = source.path if source is not None and source.format == "dcp" else None
+    hf_config = load_hf_config(config.model)
     runtime = build_runtime(config, local_rank_arg=args.local_rank)
     finished = False
     try:
         setup_logging(runtime.env.rank)
+        get_logger().info(runtime.cpu_threads)
+        data = build_training_data(config, hf_config)  # a bad data file stops the run before the model is built
         if ds_run is not None:
             record_deepspeed_config(ds_run, runtime.is_main)
-        model, hf_config = build_model(config, runtime)
+        model, hf_config = build_model(config, runtime, hf_config)
         training = config.training
         global_batch = training.micro_batch_size * training.gradient_accumulation_steps * runtime.dp_size
         start_step = data_start_step(read_trainer_state(resume), global_batch) if resume else 0
-        loader, tokenizer = build_data(config, runtime, hf_config, start_step=start_step)
+        loader = build_loader(config, runtime, data, start_step=start_step)
         trainer = Trainer(config, runtime, model, loader, recipe=ds_run.recipe if ds_run is not None else None)
         if resume:
             trainer.resume(resume)
         summary = trainer.run()
         if training.save_hf:
-            export_final_weights(config, model, hf_config, tokenizer)
+            export_final_weights(config, model, hf_config, data)
         finished = True
         return summary
     finally:
@@ -149,14 +154,12 @@ def record_deepspeed_config(ds_run: object, is_main: bool) -> None:
     (output_dir / "ds_config.json").write_text(json.dumps(ds_run.translation.ds_config, indent=2) + "\n")
 
 
-def export_final_weights(config: Config, model: nn.Module, hf_config: object, tokenizer: object) -> None:
+def export_final_weights(config: Config, model: nn.Module, hf_config: object, data: TrainingData) -> None:
     """training.save_hf: the trained weights as an HF model directory (collective: every rank calls it)."""
     from glm45v_fsdp.checkpoint.hf_export import export_hf
-    from glm45v_fsdp.data import load_image_processor
     from glm45v_fsdp.log import get_logger
 
-    image_processor = load_image_processor(config.model.name_or_path, hf_config.vision_config)
-    export_hf(model, config.training.save_hf, hf_config, tokenizer=tokenizer, image_processor=image_processor)
+    export_hf(model, config.training.save_hf, hf_config, tokenizer=data.tokenizer, image_processor=data.image_processor)
     get_logger().info("exported the final weights as HF safetensors to %s", config.training.save_hf)
 
 
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(sys.argv[1:] if argv is None else argv)
     except UserError as error:
-        print(f"glm45v-train: error: {error}", file=sys.stderr)
+        report_user_error("glm45v-train", error)
         return EXIT_USER_ERROR
     except TrainingStopped as error:
         print(f"glm45v-train: {error}", file=sys.stderr)

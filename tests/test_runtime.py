@@ -588,3 +588,25 @@ def test_meter_off_and_no_nesting(meter):
     with meter.track():  # the failed inner entry left nothing behind
         _bytes(MiB)
     assert meter.peak_bytes() == MiB and torch.UntypedStorage.resize_ is _ORIGINAL_RESIZE
+
+
+def test_cpu_threads_leave_a_core_and_split_the_rest_over_local_ranks(monkeypatch):
+    from glm45v_fsdp.runtime.threads import configure_cpu_threads, default_threads
+
+    assert [default_threads(cores, ranks) for cores, ranks in [(1, 1), (2, 1), (2, 2), (16, 8), (128, 8), (64, 1)]] == [
+        1,
+        1,
+        1,
+        1,
+        15,
+        63,
+    ]
+    before = torch.get_num_threads()
+    try:
+        assert configure_cpu_threads(1, {"OMP_NUM_THREADS": "3"}).endswith("(OMP_NUM_THREADS=3)")
+        assert torch.get_num_threads() == before  # the user's setting is left alone
+        monkeypatch.setattr("glm45v_fsdp.runtime.threads.usable_cores", lambda: 9)
+        assert configure_cpu_threads(2, {}).startswith("CPU threads: 4 per process (9 usable core(s), 2 process(es)")
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)

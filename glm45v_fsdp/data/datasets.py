@@ -53,6 +53,10 @@ class ImageTextDataset(Dataset):
     def describe(self, index: int) -> str:
         raise NotImplementedError
 
+    def summary(self) -> str:
+        """What data this is, for the start-up log: kind, source, number of records."""
+        raise NotImplementedError
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         messages, images = self.conversation(index)
         pixel_values, grid, counts = None, None, []
@@ -182,6 +186,13 @@ class SyntheticImageTextDataset(ImageTextDataset):
     def describe(self, index: int) -> str:
         return f"Synthetic sample {index}"
 
+    def summary(self) -> str:
+        return (
+            f"built-in synthetic image-text set (data.dataset=synthetic, no file), {self.num_samples} samples of "
+            f"{self.images_per_sample} image(s) {self.image_size}x{self.image_size} px and ~{self.text_tokens} text "
+            f"tokens, cutoff {self.cutoff_len}"
+        )
+
     def conversation(self, index: int) -> tuple[list[dict], list[Image.Image]]:
         rng = random.Random(index)
         scenes = [_scene(rng) for _ in range(self.images_per_sample)]
@@ -209,9 +220,16 @@ class SyntheticImageTextDataset(ImageTextDataset):
 
 
 def _read_json_records(path: Path) -> list:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(
+            f"Data file '{path}' (data.data_path) cannot be read: {error}. Make it a readable UTF-8 .json or .jsonl "
+            f"file, or point data.data_path at one."
+        ) from None
     if path.suffix == ".jsonl":
         records = []
-        for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for line_number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -223,7 +241,7 @@ def _read_json_records(path: Path) -> list:
                 ) from None
         return records
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        records = json.loads(text)
     except json.JSONDecodeError as error:
         raise UserError(
             f"Data file '{path}' (data.data_path) is not valid JSON: {error}. A .json data file must "
@@ -317,7 +335,7 @@ class JsonImageTextDataset(ImageTextDataset):
                 f"Config key 'data.data_path' = '{data_path}' is not a file. Point it at a .json (list of "
                 f"records) or .jsonl (one record per line) file."
             )
-        root = Path(image_root) if image_root is not None else self.data_path.parent
+        root = self.image_root = Path(image_root) if image_root is not None else self.data_path.parent
         if not root.is_dir():
             raise UserError(
                 f"Config key 'data.image_root' = '{image_root}' is not a directory. Point it at the "
@@ -340,6 +358,13 @@ class JsonImageTextDataset(ImageTextDataset):
 
     def describe(self, index: int) -> str:
         return f"Record {index} (0-based) of data file '{self.data_path}'"
+
+    def summary(self) -> str:
+        images = sum(len(paths) for _, paths in self.records)
+        return (
+            f"JSON file '{self.data_path.resolve()}' (data.dataset=json), {len(self.records)} records with {images} "
+            f"image(s) under '{self.image_root.resolve()}', cutoff {self.cutoff_len}"
+        )
 
     def conversation(self, index: int) -> tuple[list[dict], list[Image.Image]]:
         messages, paths = self.records[index]
