@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from glm45v_fsdp.checkpoint.hf_export import write_safetensors
 from glm45v_fsdp.errors import UserError
 
 LATEST_FILE = "latest"
@@ -57,9 +58,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
 
 def _save(state: dict[str, torch.Tensor], path: str, safe_serialization: bool) -> None:
     if safe_serialization:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
+        write_safetensors({k: v.contiguous() for k, v in state.items()}, path)
     else:
         torch.save(state, path)
 

@@ -74,10 +74,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def summarize(records: list[StepRecord], start_step: int) -> dict[str, Any]:
+def summarize(records: list[StepRecord], start_step: int, memory_kind: str) -> dict[str, Any]:
     """Summary over the stats window (steps >= start_step, skipped steps included: they cost time too).
 
-    Memory: the max over ranks of each rank's peak in the window, and the mean over ranks of those peaks.
+    Memory: the max over ranks of each rank's peak in the window, and the mean over ranks of those peaks, of the
+    figure `memory_kind` names (null when it is "off": nothing was measured).
     """
     window = [r for r in records if r.step >= start_step]
     assert window, f"stats window starts at step {start_step}, after the last step {records[-1].step}"
@@ -94,8 +95,9 @@ def summarize(records: list[StepRecord], start_step: int) -> dict[str, Any]:
         "ms_per_iter_p99": percentile(ms, 99),
         "samples_per_s": global_batch * 1000.0 / mean_ms,
         "tokens_per_s": tokens * 1000.0 / mean_ms,
-        "mem_peak_max_gib": max(rank_peaks),
-        "mem_peak_avg_gib": statistics.fmean(rank_peaks),
+        "memory_figure": memory_kind,
+        "mem_peak_max_gib": max(rank_peaks) if memory_kind != "off" else None,
+        "mem_peak_avg_gib": statistics.fmean(rank_peaks) if memory_kind != "off" else None,
         "loss_first": records[0].loss,
         "loss_last": records[-1].loss,
         "skipped_steps": records[-1].skipped_steps_total,
@@ -103,12 +105,18 @@ def summarize(records: list[StepRecord], start_step: int) -> dict[str, Any]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    if summary["memory_figure"] == "off":
+        memory = "mem off"
+    else:
+        memory = (
+            f"mem peak {summary['mem_peak_max_gib']:.3f}/{summary['mem_peak_avg_gib']:.3f} GiB (max/avg, "
+            f"{summary['memory_figure']})"
+        )
     return (
         f"summary steps {summary['window'][0]}-{summary['window'][1]} ({summary['steps']}): "
         f"ms/iter mean {summary['ms_per_iter_mean']:.1f} P95 {summary['ms_per_iter_p95']:.1f} "
         f"P99 {summary['ms_per_iter_p99']:.1f} | {summary['samples_per_s']:.2f} samples/s | "
-        f"{summary['tokens_per_s']:.0f} tokens/s | mem peak {summary['mem_peak_max_gib']:.3f}/"
-        f"{summary['mem_peak_avg_gib']:.3f} GiB (max/avg) | loss {summary['loss_first']:.4f} -> "
+        f"{summary['tokens_per_s']:.0f} tokens/s | {memory} | loss {summary['loss_first']:.4f} -> "
         f"{summary['loss_last']:.4f} | skipped {summary['skipped_steps']}"
     )
 
@@ -139,6 +147,16 @@ def check_writable_dir(key: str, value: str) -> None:
             f"Config key '{key}' = '{value}' cannot be created: '{existing}' is not a writable directory "
             f"({error.strerror}). Choose a writable path for {key}."
         ) from None
+
+
+def previous_run(output_dir: Path) -> str | None:
+    """What an earlier run left in `output_dir` that a fresh run (not a resume) replaces, in words; None if nothing."""
+    metrics = output_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    steps = sum(1 for line in metrics.read_text().splitlines() if line.strip())
+    finished = "finished (summary.json present)" if (output_dir / "summary.json").is_file() else "unfinished"
+    return f"metrics.jsonl of {steps} step(s), {finished}"
 
 
 class MetricsSink:

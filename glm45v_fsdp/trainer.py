@@ -26,7 +26,15 @@ from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.loss_scale import LossScaler
 from glm45v_fsdp.memory.chunk_loss import ChunkChoice, ChunkedLossHead
 from glm45v_fsdp.memory.offload import find_offload_runtime
-from glm45v_fsdp.metrics import GIB, MetricsSink, StepRecord, format_line, format_summary, summarize
+from glm45v_fsdp.metrics import (
+    GIB,
+    MetricsSink,
+    StepRecord,
+    format_line,
+    format_summary,
+    previous_run,
+    summarize,
+)
 from glm45v_fsdp.optim import (
     OptimizerRecipe,
     build_optimizer,
@@ -351,6 +359,14 @@ class Trainer:
         """Train until training.train_iters; ms/iter includes fetching the step's micro batches. A background
         checkpoint write still in flight is finished (and published) on the way out, also after an error."""
         training = self.config.training
+        earlier = previous_run(self.output_dir) if self.runtime.is_main and self.step == 0 else None
+        if earlier is not None:
+            self.log.warning(
+                "training.output_dir '%s' holds an earlier run (%s): this run starts at step 0 and replaces its "
+                "metrics.jsonl, summary.json and config.yaml. Choose another training.output_dir to keep them.",
+                self.output_dir,
+                earlier,
+            )
         iterator = iter(self.loader)
         bar = tqdm(
             total=training.train_iters,
@@ -402,4 +418,4 @@ class Trainer:
             self.log.info("nothing to train: the run is at step %d of %d", self.step, training.train_iters)
             return {}
         start_step = training.stats_start_step or min(training.train_iters, max(2, training.train_iters // 10 + 1))
-        return summarize(self.records, start_step)
+        return summarize(self.records, start_step, self.meter.kind)

@@ -4,6 +4,8 @@ and the weights-only DCP start that `tools.convert hf-to-dcp` writes."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +85,10 @@ def test_export_loads_in_transformers_and_weights_only_dcp_starts_the_same(tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     _, info = Glm4vMoeForConditionalGeneration.from_pretrained(exported, output_loading_info=True)
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in exported.iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes  # safetensors alone writes 0600: unreadable when shared
 
     # Start from the export: our step-1 loss equals transformers' on the same batch.
     from_export = tmp_path / "from_export"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -23,6 +24,15 @@ from torch.distributed.tensor import DTensor
 from glm45v_fsdp.checkpoint.hf import INDEX_FILE
 from glm45v_fsdp.checkpoint.layout import checkpoint_pieces, model_tensors, model_to_hub_tensors
 from glm45v_fsdp.errors import UserError
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """safetensors' save_file, then the mode every other output file gets (0666 minus the umask): save_file creates
+    its files 0600, which other users of shared storage cannot read."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _is_main() -> bool:
@@ -121,7 +131,7 @@ def export_hf(
             pending.setdefault(index, {})[key] = value.contiguous()
             total += value.nbytes
             if len(pending[index]) == len(shards[index]):
-                save_file(pending.pop(index), tmp / names[index], metadata={"format": "pt"})
+                write_safetensors(pending.pop(index), tmp / names[index])
     if _is_main():
         assert not pending, sorted(pending)
         index = {"metadata": {"total_size": total}, "weight_map": {key: names[shard_of[key]] for key in shard_of}}
