@@ -6,7 +6,8 @@ triple with DeepSpeed's arithmetic and checks, and maps every key onto our `key.
 optimizer and a scheduler spec — or lists it as having no effect on FSDP2, notes what differs from DeepSpeed, or
 raises a UserError saying why it cannot be honoured.
 
-CLI: python -m ds_compat.config explain ds_config.json --world-size N [--config our.yaml] [--json]
+CLI: python -m ds_compat.config explain ds_config.json --world-size N [--config our.yaml] [--json]; "auto" values come
+from --config, by default the config the trainer runs without one (configs/glm45v_tiny.yaml).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from glm45v_fsdp.config import (
     to_dict,
     validate_layout,
 )
-from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.errors import ConfigError, UserError
 
 TRAIN_BATCH = "train_batch_size"
 MICRO_BATCH = "train_micro_batch_size_per_gpu"
@@ -274,7 +275,7 @@ def resolve_batch(ds: dict, dp_world_size: int) -> BatchTriple:
         accum = 1 if accum is None else accum
         train, derived = micro * accum * dp, TRAIN_BATCH
     elif train is None:
-        raise UserError(
+        raise ConfigError(
             f"DeepSpeed config sets neither '{TRAIN_BATCH}' nor '{MICRO_BATCH}', and DeepSpeed needs at least one. "
             f"Add {MICRO_BATCH} (samples per rank per micro step) or {TRAIN_BATCH} (the global batch)."
         )
@@ -316,6 +317,7 @@ class Translation:
     ds_config: dict = field(default_factory=dict)
     world_size: int = 1
     dp_world_size: int = 1
+    steps_per_print: int = sections.DEFAULT_STEPS_PER_PRINT
 
     @property
     def sequence_parallel_size(self) -> int:
@@ -347,10 +349,15 @@ class Translation:
         return {
             "world_size": self.world_size,
             "dp_world_size": self.dp_world_size,
-            "batch": dataclasses.asdict(self.batch),
+            "batch": {  # DeepSpeed's own names
+                TRAIN_BATCH: self.batch.train_batch_size,
+                MICRO_BATCH: self.batch.micro_batch_size,
+                ACCUMULATION: self.batch.gradient_accumulation_steps,
+            },
             "zero_stage": self.zero_stage,
             "precision": self.precision,
             "clip": self.clip,
+            "steps_per_print": self.steps_per_print,
             "optimizer": dataclasses.asdict(self.optimizer),
             "scheduler": scheduler,
             "overrides": self.overrides,
@@ -406,7 +413,7 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
             "schedule (Translation.scheduler.lr_at); training.lr_scheduler and lr_warmup_ratio are not used, and a "
             "skipped step does not advance it."
         )
-    sections.map_logging(ds, report)
+    steps_per_print = sections.map_logging(ds, report)
     sections.map_activation_checkpointing(ds, report)
     sections.map_unsupported_features(ds, report)
     return Translation(
@@ -423,6 +430,7 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
         ds_config=ds,
         world_size=world_size,
         dp_world_size=dp,
+        steps_per_print=steps_per_print,
     )
 
 
@@ -473,12 +481,15 @@ def main(argv: list[str] | None = None) -> int:
     explain = commands.add_parser("explain", help="show how a ds_config maps onto the FSDP2 engine")
     explain.add_argument("ds_config", help="ds_config.json (JSON or hjson) or base64 JSON")
     explain.add_argument("--world-size", type=int, required=True, help="number of ranks the job runs on")
-    explain.add_argument("--config", help='our YAML config whose values fill "auto" (without it, "auto" is an error)')
+    explain.add_argument(
+        "--config",
+        help='our YAML config (a path or a shipped config name) whose values fill "auto"; default: the one the trainer '
+        "runs without --config, configs/glm45v_tiny.yaml",
+    )
     explain.add_argument("--json", action="store_true", help="print the translation as JSON")
     args = parser.parse_args(argv)
     try:
-        base = load_config(args.config) if args.config else None
-        translation = translate(args.ds_config, args.world_size, base)
+        translation = translate(args.ds_config, args.world_size, load_config(args.config))
     except UserError as error:
         print(f"ds_compat.config: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -481,6 +481,14 @@ class DeepSpeedEngine(nn.Module):
             self.optimizer.zero_grad(set_to_none=True)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            if self.global_steps % self.translation.steps_per_print == 0:  # DeepSpeed's _report_progress
+                self.log.info(
+                    "step=%d, skipped=%d, lr=%s, mom=%s",
+                    self.global_steps,
+                    self.skipped_steps,
+                    self.get_lr(),
+                    self.get_mom(),
+                )
         self.micro_steps += 1
 
     # ------------------------------------------------------------------------------------------------------

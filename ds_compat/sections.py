@@ -351,9 +351,20 @@ def _enabled(ds: dict, key: str) -> tuple[dict, bool]:
     return section, as_bool(f"{key}.enabled", section.get("enabled", False))
 
 
-def map_logging(ds: dict, report: Report) -> None:
+DEFAULT_STEPS_PER_PRINT = 10  # DeepSpeed 0.19's default
+
+
+def map_logging(ds: dict, report: Report) -> int:
+    """Logging keys; returns steps_per_print, which keeps DeepSpeed's meaning: the engine's own periodic line."""
+    steps_per_print = DEFAULT_STEPS_PER_PRINT
     if ds.get("steps_per_print") is not None:
-        report.override("training.log_interval", as_int("steps_per_print", ds["steps_per_print"], minimum=1))
+        steps_per_print = as_int("steps_per_print", ds["steps_per_print"], minimum=1)
+        report.note(
+            f"steps_per_print {steps_per_print}: DeepSpeed's own progress line (step, skipped, lr, mom) every "
+            f"{steps_per_print} optimizer steps, which the engine API prints as DeepSpeed does. Our trainer "
+            "(--deepspeed) keeps its progress bar and its loss line every training.log_interval steps (our YAML's "
+            "key: steps_per_print would silence a short run's losses, as the HF Trainer's 2000 does)."
+        )
     if "tensorboard" in ds:
         section, on = _enabled(ds, "tensorboard")
         report.override("training.tensorboard", on)
@@ -371,6 +382,7 @@ def map_logging(ds: dict, report: Report) -> None:
             if on:
                 report.note(f"{key} is not supported: metrics go to metrics.jsonl (and TensorBoard when enabled).")
             report.ignore(key)
+    return steps_per_print
 
 
 def map_activation_checkpointing(ds: dict, report: Report) -> None:

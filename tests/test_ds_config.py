@@ -13,13 +13,14 @@ import json
 import logging
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from ds_compat import ds_keys, schedules
 from ds_compat.config import load_ds_config, main, resolve_auto, resolve_batch, translate
-from glm45v_fsdp.config import Config, config_from_dict, load_config
+from glm45v_fsdp.config import Config, TrainingConfig, config_from_dict, load_config
 from glm45v_fsdp.errors import UserError
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -812,7 +813,8 @@ def test_precision_clipping_logging_and_optimizer_mapping():
     assert overrides["parallel.fsdp_plan.reduce_dtype"] == "fp32"
     assert overrides["training.on_nonfinite"] == "skip"
     assert translation.clip == 1.0 and overrides["training.clip_grad"] == "1.0"
-    assert overrides["training.log_interval"] == "10"
+    assert "training.log_interval" not in overrides and translation.steps_per_print == 10
+    assert any(note.startswith("steps_per_print 10: DeepSpeed's own progress line") for note in translation.notes)
     assert translation.optimizer.type == "AdamW" and translation.optimizer.ds_type == "Adam"
     assert translation.optimizer.kwargs == {"lr": 1.5e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
     assert overrides["features.recompute.enabled"] == "true"
@@ -823,7 +825,7 @@ def test_precision_clipping_logging_and_optimizer_mapping():
     config = translation.apply(BASE)
     assert config.training.lr == 1.5e-4 and config.training.weight_decay == 0.01 and config.training.adam_beta2 == 0.95
     assert config.training.micro_batch_size == 2 and config.training.gradient_accumulation_steps == 4
-    assert config.training.log_interval == 10
+    assert config.training.log_interval == BASE.training.log_interval
     optimizer = translation.optimizer.build([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.95)
 
@@ -924,9 +926,25 @@ def test_explain_prints_the_triple_and_the_full_mapping(tmp_path, capsys):
     assert "Scheduler: WarmupDecayLR" in out and "keeps the parameters on the device" in out
     assert main(["explain", str(path), "--world-size", "4", "--config", str(base_path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["batch"] == {"train_batch_size": 32, "micro_batch_size": 2, "gradient_accumulation_steps": 4}
+    assert data["batch"] == {
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+    }
     assert data["zero_stage"] == 3 and data["precision"] == "bf16"
     assert data["scheduler"]["lr_at"]["0"] == 0 and "zero_optimization.sub_group_size" in data["no_effect"]
     assert load_config(base_path).training.micro_batch_size == 2
-    assert main(["explain", str(path), "--world-size", "4"]) == 2
-    assert "'train_micro_batch_size_per_gpu' = 'auto' has nothing to fill it" in capsys.readouterr().err
+
+
+def test_explain_without_config_uses_the_trainers_default_config(capsys):
+    """The README's example: the shipped all-"auto" ds_config, no --config: "auto" comes from the config the trainer
+    runs without --config (configs/glm45v_tiny.yaml, lr 1e-3), not from the schema defaults (lr 1e-4)."""
+    shipped = Path(__file__).resolve().parents[1] / "launch" / "ds_config_zero3_bf16.json"
+    assert main(["explain", str(shipped), "--world-size", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    trainer_default = load_config(None).training
+    assert trainer_default.lr != TrainingConfig().lr  # otherwise this test could not tell the two apart
+    assert data["optimizer"]["kwargs"]["lr"] == trainer_default.lr
+    assert data["batch"]["train_micro_batch_size_per_gpu"] == trainer_default.micro_batch_size
+    assert main(["explain", str(shipped), "--world-size", "2", "--config", "glm45v_106b_sft"]) == 0
+    assert "Batch: train_batch_size" in capsys.readouterr().out

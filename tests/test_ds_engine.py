@@ -277,7 +277,7 @@ def test_auto_fsdp_units():
     assert auto_fsdp_units(nn.Linear(1, 1)) == []
 
 
-def test_boundary_counters_and_lr_per_group(group):
+def test_boundary_counters_and_lr_per_group(group, capsys):
     torch.manual_seed(0)
     model = Net()
     groups = [{"params": list(model.inp.parameters())}, {"params": list(model.out.parameters()), "lr": 1e-4}]
@@ -285,6 +285,7 @@ def test_boundary_counters_and_lr_per_group(group):
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 3,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "steps_per_print": 2,
     }
     engine, optimizer, loader, scheduler = ds_compat.initialize(model=model, model_parameters=groups, config=config)
     assert loader is None and scheduler is None and isinstance(optimizer, torch.optim.AdamW)
@@ -299,6 +300,10 @@ def test_boundary_counters_and_lr_per_group(group):
         engine.step()
     assert boundaries == [False, False, True, False, False, True]
     assert (engine.global_steps, engine.micro_steps, engine.global_samples) == (2, 6, 6)
+    progress = [line for line in capsys.readouterr().out.splitlines() if "step=" in line]
+    assert len(progress) == 1 and progress[0].endswith(
+        "step=2, skipped=0, lr=[0.001, 0.0001], mom=[(0.9, 0.999), (0.9, 0.999)]"
+    )
     assert torch.equal(model.blocks[0].weight, before)  # not in the optimizer's groups
     engine.eval()
     assert not model.training

@@ -42,9 +42,11 @@ def test_ds_config_drives_batch_optimizer_schedule_and_recompute(tmp_path):
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}},
         "activation_checkpointing": {"partition_activations": False},
         "gradient_clipping": 0.5,
+        "steps_per_print": 2000,  # what HF Trainer ds_configs carry: must not silence our loss lines
     }
     path = write_config(tmp_path, config)
-    result = train(tmp_path / "run", ["--local_rank=0", "--deepspeed", str(path), "training.train_iters=5"])
+    overrides = ["training.train_iters=5", "training.log_interval=1"]  # steps_per_print no longer takes this key
+    result = train(tmp_path / "run", ["--local_rank=0", "--deepspeed", str(path), *overrides])
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(tmp_path / "run")
     schedule = translate(path, 1).scheduler
@@ -52,6 +54,7 @@ def test_ds_config_drives_batch_optimizer_schedule_and_recompute(tmp_path):
     assert {r["global_batch_size"] for r in records} == {4}
     assert "[plan recompute]" in result.stdout and "DeepSpeed config translated" in result.stdout
     assert "schedule WarmupLR (ds_config)" in result.stdout
+    assert all(f"step {k}/5 | loss" in result.stdout for k in range(1, 6))
     resolved = (tmp_path / "run" / "config.yaml").read_text()
     assert "micro_batch_size: 2" in resolved and "clip_grad: 0.5" in resolved
     assert json.loads((tmp_path / "run" / "ds_config.json").read_text())["train_batch_size"] == 4
