@@ -186,6 +186,39 @@ def test_bad_config_exits_with_named_key(tmp_path, overrides, needle):
     assert not (tmp_path / "run").exists()
 
 
+def test_start_up_log_names_data_and_threads_and_a_rerun_warns(tmp_path):
+    env = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}
+    first = train(tmp_path / "run", ["training.train_iters=2"], env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "data: built-in synthetic image-text set (data.dataset=synthetic, no file), 256 samples" in first.stdout
+    cores = len(os.sched_getaffinity(0))
+    assert f"CPU threads: {max(1, cores - 1)} per process ({cores} usable core(s), 1 process(es)" in first.stdout
+    assert "| mem off | loss" in first.stdout  # the summary, like the step lines, says memory was not tracked
+    assert "holds an earlier run" not in first.stdout + first.stderr
+    again = train(tmp_path / "run", ["training.train_iters=3"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "CPU threads: 1 per process (OMP_NUM_THREADS=1)" in again.stdout
+    assert "holds an earlier run (metrics.jsonl of 2 step(s), finished (summary.json present))" in again.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("problem", ["missing", "unreadable"])
+def test_json_data_errors_come_before_the_model_is_built(tmp_path, problem):
+    data = tmp_path / "data.jsonl"
+    if problem == "unreadable":
+        data.write_bytes(b"\xff\xfe not utf-8")
+    result = train(tmp_path / "run", ["data.dataset=json", f"data.data_path={data}"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert str(data) in result.stderr and "data.data_path" in result.stderr
+    assert "[plan fsdp]" not in result.stdout and "Glm4vMoeForTraining:" not in result.stdout
+
+
+def test_a_config_error_is_printed_once_per_job(tmp_path):
+    result = train(tmp_path / "run", ["parallel.data_parallel_replicate_size=3"], nproc=2)
+    assert result.returncode != 0
+    assert result.stderr.count("glm45v-train: error: Config key 'parallel.data_parallel_replicate_size'") == 1
+
+
 def test_impossible_layout_fails_before_the_process_group(tmp_path):
     env = clean_env()
     env.update(
@@ -247,6 +280,7 @@ def test_json_data_with_packing_workers_memory_tensorboard_and_freeze(tmp_path):
         ],
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    assert f"data: JSON file '{tmp_path / 'data.json'}' (data.dataset=json), 6 records with 6 image(s)" in result.stdout
     assert "model.visual.blocks.{*}: 2 module(s)" in result.stdout
     assert "frozen 0.00M" not in result.stdout and "memory figure: tracked-tensors" in result.stdout
     records = read_metrics(out)
