@@ -17,6 +17,7 @@ from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextExperts
 from glm45v_fsdp.config import ModelConfig
 from glm45v_fsdp.errors import ConfigError, UserError
 from glm45v_fsdp.model.loss import Glm4vMoeForTraining
+from glm45v_fsdp.model.moe import GroupedExperts
 from glm45v_fsdp.model.presets import PRESETS
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
@@ -136,7 +137,10 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     `experts` counts the routed, 3-D stacked experts only (shared experts are in `language`).
     """
     expert_params = {
-        id(p) for m in model.modules() if isinstance(m, Glm4vMoeTextExperts) for p in m.parameters(recurse=False)
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (Glm4vMoeTextExperts, GroupedExperts))
+        for p in m.parameters(recurse=False)
     }
     counts = dict.fromkeys(("total", "trainable", "vision", "language", "experts", "lm_head"), 0)
     for name, param in model.named_parameters():
@@ -157,6 +161,12 @@ def _human(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
+def _expert_kernel(model: nn.Module, text_config) -> str:
+    """What computes the routed experts: our grouped experts' kernel, or transformers' experts implementation."""
+    kernels = {m.kernel for m in model.modules() if isinstance(m, GroupedExperts)}
+    return ",".join(sorted(kernels)) if kernels else str(text_config._experts_implementation or "eager")
+
+
 def describe_model(model: nn.Module, hf_config: Glm4vMoeConfig) -> str:
     """Two log lines: class and parameter counts, then backends and dimensions."""
     c = count_parameters(model)
@@ -166,7 +176,7 @@ def describe_model(model: nn.Module, hf_config: Glm4vMoeConfig) -> str:
         f"{type(model).__name__}: {_human(c['total'])} params (trainable {_human(c['trainable'])}, frozen "
         f"{_human(c['total'] - c['trainable'])}; vision {_human(c['vision'])}, language {_human(c['language'])} "
         f"incl. routed experts {_human(c['experts'])}, lm_head {_human(c['lm_head'])})\n"
-        f"  attn={hf_config._attn_implementation} experts={text._experts_implementation} | text: "
+        f"  attn={hf_config._attn_implementation} experts={_expert_kernel(model, text)} | text: "
         f"{text.num_hidden_layers} layers ({text.first_k_dense_replace} dense), hidden {text.hidden_size}, heads "
         f"{text.num_attention_heads}/{text.num_key_value_heads} kv x {head_dim}, {text.n_routed_experts} experts "
         f"top-{text.num_experts_per_tok} + {text.n_shared_experts} shared (moe_intermediate "

@@ -20,6 +20,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextExperts, Glm4vMoeTextTopkRouter
 
+from glm45v_fsdp.model.moe import GroupedExperts, MoERouter
+
 _LINEAR_LIKE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BLOCK_NUMEL = 1 << 20
 
@@ -44,9 +46,9 @@ def _init_rule(module: nn.Module, name: str, fqn: str) -> str:
         return "zeros"
     if _is_norm(module):
         return {"weight": "ones", "bias": "zeros"}[name]
-    if isinstance(module, Glm4vMoeTextTopkRouter):
+    if isinstance(module, (Glm4vMoeTextTopkRouter, MoERouter)):
         return {"weight": "normal", "e_score_correction_bias": "zeros"}[name]
-    if isinstance(module, Glm4vMoeTextExperts) and name in ("gate_up_proj", "down_proj"):
+    if isinstance(module, (Glm4vMoeTextExperts, GroupedExperts)) and name in ("gate_up_proj", "down_proj"):
         return "normal"
     raise RuntimeError(f"materialize: no init rule for '{fqn}' ({type(module).__name__}.{name}); add one.")
 

@@ -1,0 +1,211 @@
+"""GLM-4.5V's MoE block, split into the parts expert parallelism and the accelerator ops replace one by one.
+
+Same module path and parameter names and shapes as transformers' Glm4vMoeTextMoE, so checkpoints, HF load/export and
+DCP are unchanged: `mlp.gate.weight` [E, H], `mlp.gate.e_score_correction_bias` [E] (a buffer),
+`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I], `mlp.shared_experts.*`.
+
+  router      MoERouter, in fp32: sigmoid scores, group-limited top-k chosen with `e_score_correction_bias`, the
+              chosen scores normalised and scaled; transformers' Glm4vMoeTextTopkRouter op for op.
+  dispatcher  a TokenDispatcher: `dispatch` puts the (token, expert) pairs in expert order and counts them per
+              local expert; `combine` returns each pair's output to its token, weighted by its routing weight, and
+              sums a token's k outputs in fp32. LocalDispatcher keeps everything on this rank; expert parallelism
+              swaps in one that exchanges the pairs between ranks.
+  experts     GroupedExperts: every expert's SwiGLU MLP over its contiguous rows, one grouped GEMM per projection
+              (`torch._grouped_mm` where the device runs it) or a per-expert loop (the reference).
+  shared      transformers' Glm4vMoeTextMLP, added to the routed output.
+
+The pairs are ordered by expert, then top-k slot, then token: the order transformers' eager loop visits them, so in
+fp32 the block equals transformers' bit for bit (forward and gradients). An expert that receives no token computes
+nothing and gets an exactly zero gradient.
+
+Routing statistics: every forward (not the recomputation of a checkpointed forward in backward) adds its tokens per
+expert to `MoEBlock.load`; `moe_load_metrics` turns the step's counts of all layers into two figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMLP
+
+EXPERT_KERNELS = ("grouped_mm", "loop")
+
+
+class MoERouter(nn.Module):
+    """Top-k routing in fp32; returns (router logits [T, E], top-k weights [T, k] fp32, top-k expert ids [T, k])."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.n_routed_experts
+        self.num_groups = config.n_group
+        self.top_groups = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden.type(torch.float32), self.weight.type(torch.float32))
+        scores = logits.sigmoid()
+        biased = scores + self.e_score_correction_bias
+        per_group = self.num_experts // self.num_groups
+        group_scores = biased.view(-1, self.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        top_groups = torch.topk(group_scores, k=self.top_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, top_groups, 1)
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, self.num_groups, per_group).reshape(-1, self.num_experts)
+        biased = biased.masked_fill(~expert_mask.bool(), float("-inf"))
+        expert_ids = torch.topk(biased, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, expert_ids)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return logits, weights * self.routed_scaling_factor, expert_ids
+
+
+def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows [S, in] x weight [E, out, in] per group of rows (group e ends at ends[e]) -> [S, out]."""
+    return _ContiguousGrad.apply(torch._grouped_mm(rows, weight.transpose(-2, -1), offs=ends))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: torch._grouped_mm's backward rejects an
+    expanded gradient (e.g. of a plain `.sum()`)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored stacked; `forward(rows, counts)` runs expert e on its `counts[e]` contiguous rows."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(self.num_experts, 2 * config.moe_intermediate_size, config.hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, config.moe_intermediate_size))
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.kernel = "loop"  # the MoE plan picks grouped_mm where the device runs it
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "grouped_mm":
+            ends = counts.cumsum(0).to(torch.int32)
+            gate, up = _grouped_mm(rows, self.gate_up_proj, ends).chunk(2, dim=-1)
+            return _grouped_mm(self.act_fn(gate) * up, self.down_proj, ends)
+        outputs, start = [], 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                gate, up = F.linear(rows[start : start + count], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[expert]))
+                start += count
+        return torch.cat(outputs) if outputs else rows.new_zeros(0, self.down_proj.shape[1])
+
+
+@dataclass
+class Dispatched:
+    """What `TokenDispatcher.dispatch` hands the experts and keeps for `combine`."""
+
+    rows: torch.Tensor  # [S, H]: the pairs' hidden states, grouped by local expert
+    counts: torch.Tensor  # [local experts]: rows per expert, in order
+    token_index: torch.Tensor  # [S]: the token each row belongs to
+    weights: torch.Tensor  # [S]: each row's routing weight (fp32)
+    num_tokens: int
+
+
+class TokenDispatcher(Protocol):
+    def dispatch(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> Dispatched: ...
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor: ...
+
+    def describe(self) -> str: ...
+
+
+class LocalDispatcher:
+    """Every expert on this rank: sort the pairs by (expert, top-k slot, token); combine by index_add in fp32."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+
+    def dispatch(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> Dispatched:
+        num_tokens, top_k = expert_ids.shape
+        slot_major = expert_ids.t().reshape(-1)  # pair p = slot * tokens + token
+        order = torch.sort(slot_major, stable=True)[1]
+        token_index = order % num_tokens
+        counts = torch.bincount(slot_major, minlength=self.num_experts)
+        return Dispatched(hidden[token_index], counts, token_index, weights.t().reshape(-1)[order], num_tokens)
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        weighted = expert_out * dispatched.weights[:, None]  # fp32: the weights are
+        combined = weighted.new_zeros(dispatched.num_tokens, weighted.shape[-1], dtype=torch.float32)
+        return combined.index_add_(0, dispatched.token_index, weighted.float()).to(expert_out.dtype)
+
+    def describe(self) -> str:
+        return f"local (all {self.num_experts} experts on every rank)"
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. a checkpointed forward being recomputed)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoEBlock(nn.Module):
+    """router -> dispatcher -> experts -> combine, plus the shared expert; see the module docstring."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.experts = GroupedExperts(config)  # registration order as transformers': parameters() order is the same
+        self.gate = MoERouter(config)
+        self.shared_experts = Glm4vMoeTextMLP(
+            config=config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts
+        )
+        self.dispatcher: TokenDispatcher = LocalDispatcher(config.n_routed_experts)
+        self.load: torch.Tensor | None = None  # tokens per expert since the last `take_load`
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.view(-1, hidden.shape[-1])
+        _, weights, expert_ids = self.gate(flat)
+        if not _in_backward():
+            counts = torch.bincount(expert_ids.reshape(-1), minlength=self.gate.num_experts)
+            self.load = counts if self.load is None else self.load + counts
+        dispatched = self.dispatcher.dispatch(flat, expert_ids, weights)
+        routed = self.dispatcher.combine(self.experts(dispatched.rows, dispatched.counts), dispatched)
+        return routed.view(hidden.shape) + self.shared_experts(hidden)
+
+    def take_load(self) -> torch.Tensor:
+        """Tokens per expert routed since the last call (zeros if none), then reset."""
+        load = self.load if self.load is not None else torch.zeros(self.gate.num_experts, dtype=torch.long)
+        self.load = None
+        return load
+
+
+def moe_blocks(model: nn.Module) -> list[MoEBlock]:
+    return [module for module in model.modules() if isinstance(module, MoEBlock)]
+
+
+def moe_load_metrics(blocks: list[MoEBlock], device: torch.device) -> dict[str, float]:
+    """The step's routing balance over all ranks (one all-reduce of [layers, experts] counts when distributed):
+    `moe_load_cv` = mean over layers of the coefficient of variation of tokens per expert; `moe_load_max_over_mean`
+    = mean over layers of (busiest expert's tokens / mean tokens per expert). Resets the blocks' counts."""
+    if not blocks:
+        return {}
+    counts = torch.stack([block.take_load().to(device) for block in blocks]).double()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    mean = counts.mean(dim=1).clamp(min=1e-12)
+    cv = counts.std(dim=1, correction=0) / mean
+    return {
+        "moe_load_cv": float(cv.mean()),
+        "moe_load_max_over_mean": float((counts.max(dim=1).values / mean).mean()),
+    }
