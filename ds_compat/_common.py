@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from glm45v_fsdp.errors import ConfigError
 
@@ -92,6 +92,7 @@ class Report:
     overrides: list[str] = field(default_factory=list)
     no_effect: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    trainer_notes: set[str] = field(default_factory=set)  # notes about our trainer's door only (not the engine API)
 
     def override(self, key: str, value: Any) -> None:
         self.overrides = [item for item in self.overrides if item.split("=", 1)[0] != key]
@@ -101,6 +102,10 @@ class Report:
         if path not in self.no_effect:
             self.no_effect.append(path)
 
-    def note(self, text: str) -> None:
+    def note(self, text: str, door: Literal["both", "trainer"] = "both") -> None:
+        """A difference from DeepSpeed or a warning; door="trainer": it concerns only our trainer's --deepspeed door
+        (its own features and schedule), so the engine API does not repeat it."""
         if text not in self.notes:
             self.notes.append(text)
+        if door == "trainer":
+            self.trainer_notes.add(text)

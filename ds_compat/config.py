@@ -313,6 +313,7 @@ class Translation:
     no_effect: list[str]
     notes: list[str]
     auto_filled: list[str] = field(default_factory=list)
+    trainer_notes: set[str] = field(default_factory=set)  # the notes that concern only our trainer's door
     # The ds_config with "auto" values filled (what DeepSpeed itself would be given).
     ds_config: dict = field(default_factory=dict)
     world_size: int = 1
@@ -405,13 +406,15 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
     if scheduler is None:
         report.note(
             "no scheduler: DeepSpeed keeps the optimizer's lr constant unless the script passes one; the trainer keeps "
-            "its own training.lr_scheduler at the ds_config's lr, as the HF Trainer integration does."
+            "its own training.lr_scheduler at the ds_config's lr, as the HF Trainer integration does.",
+            door="trainer",
         )
     else:
         report.note(
             f"scheduler {scheduler.type}: the trainer sets the lr after each optimizer step from the ds_config's "
             "schedule (Translation.scheduler.lr_at); training.lr_scheduler and lr_warmup_ratio are not used, and a "
-            "skipped step does not advance it."
+            "skipped step does not advance it.",
+            door="trainer",
         )
     steps_per_print = sections.map_logging(ds, report)
     sections.map_activation_checkpointing(ds, report)
@@ -427,6 +430,7 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
         no_effect=report.no_effect,
         notes=report.notes,
         auto_filled=filled,
+        trainer_notes=report.trainer_notes,
         ds_config=ds,
         world_size=world_size,
         dp_world_size=dp,

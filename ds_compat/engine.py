@@ -2,11 +2,11 @@
 step, save_checkpoint and load_checkpoint, for any nn.Module.
 
 Nothing here re-implements training: the ds_config goes through `ds_compat.config.translate` (batch triple, ZeRO
-layout, precision, clipping, optimizer and scheduler specs), the mesh through `glm45v_fsdp.runtime`, the sharding
-through `glm45v_fsdp.parallel.fsdp.apply_fsdp` with an automatic plan, the gradient norm through
-`glm45v_fsdp.optim.unscale_clip_and_step` and the checkpoint tensors through `glm45v_fsdp.checkpoint.dcp`. The engine
-adds DeepSpeed's bookkeeping around them: micro steps, the accumulation boundary, global steps and samples, skipped
-steps, the `latest` file and the client state.
+layout, precision, clipping, optimizer and scheduler specs), the meshes through `glm45v_fsdp.runtime`, the sharding
+through `glm45v_fsdp.parallel.fsdp.apply_fsdp` with an automatic plan, the end of each step (norm, clipping, skip,
+optimizer, schedule, loss scaler) through the trainer's `glm45v_fsdp.step.OptimizerStep`, and the checkpoint tensors
+through `glm45v_fsdp.checkpoint.dcp`. The engine adds DeepSpeed's bookkeeping around them: micro steps, the
+accumulation boundary, global steps and samples, skipped steps, the `latest` file and the client state.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from glm45v_fsdp.checkpoint.dcp import LoadAdvice, load_checkpoint, save_model_a
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger, setup_logging
-from glm45v_fsdp.optim import build_scheduler, unscale_clip_and_step
+from glm45v_fsdp.optim import build_scheduler
 from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, compute_precision
-from glm45v_fsdp.runtime import build_device_mesh, build_parallel_dims, flattened_mesh, fsdp_mesh
+from glm45v_fsdp.runtime import ParallelMeshes, build_parallel_dims
+from glm45v_fsdp.step import OptimizerStep, StepOutcome
 
 ENGINE_STATE_FILE = "engine_state.pt"
 ENGINE_LOAD = LoadAdvice(
@@ -159,8 +160,7 @@ class DeepSpeedEngine(nn.Module):
         self.config = self.translation.ds_config  # DeepSpeed's engine.config: the config dict
         self._config = self.translation.apply(Config())
         self.dims = build_parallel_dims(self._config.parallel, self.world_size)
-        self.mesh = build_device_mesh(self.dims, self.device_layer.type)
-        self.dp_mesh = flattened_mesh(self.mesh, "dp")
+        self.meshes = ParallelMeshes(self.dims, self.device_layer.type)
         self.dp_world_size = self.dims.dp
         self.mp_world_size = 1
         self.client_optimizer = optimizer
@@ -175,8 +175,8 @@ class DeepSpeedEngine(nn.Module):
         self._step_applied = False
         self._is_gradient_accumulation_boundary: bool | None = None
         for note in self.translation.notes:
-            if "trainer" not in note and not note.startswith(("activation_checkpointing", "tensorboard")):
-                self.log.info("ds_compat: %s", note)  # (notes about our trainer's own features do not apply here)
+            if note not in self.translation.trainer_notes:
+                self.log.info("ds_compat: %s", note)
         for item in self.translation.overrides:
             key, _, value = item.partition("=")
             if key in NOT_APPLIED and value not in ("false", "0"):
@@ -185,7 +185,6 @@ class DeepSpeedEngine(nn.Module):
         old_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         self.plan = dataclasses.replace(self._config.parallel.fsdp_plan, apply_modules=auto_fsdp_units(model))
         self.module = self._shard(model)
-        self.hsdp = isinstance(self.module, FSDPModule) and self.dims.dp_replicate > 1
         self.loss_scaler = None
         if self.translation.precision == "fp16":
             from glm45v_fsdp.loss_scale import LossScaler  # the trainer's scaler, DeepSpeed's rules
@@ -199,9 +198,19 @@ class DeepSpeedEngine(nn.Module):
         self.optimizer: torch.optim.Optimizer | None = None
         self.basic_optimizer = None
         self.lr_scheduler: Any = None
+        self.step_runner: OptimizerStep | None = None  # the trainer's step object; built with the optimizer
         if optimizer is not None or self.translation.optimizer.ds_type is not None:
             self._configure_optimizer(optimizer, model_parameters, old_names, new_params)
             self._configure_lr_scheduler(lr_scheduler)
+            self.step_runner = OptimizerStep(
+                [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad],
+                self.optimizer,
+                self.lr_scheduler,
+                clip=self.gradient_clipping(),
+                scaler=self.loss_scaler,
+                hsdp_root=self.module if isinstance(self.module, FSDPModule) and self.dims.hsdp_enabled else None,
+                on_skip=self._skip_step,
+            )
         self.log.info(
             "ds_compat engine: ZeRO stage %d -> FSDP2 %s over %d rank(s); units %s + root; precision %s; "
             "clipping %s; batch %d = micro %d x accumulation %d x dp %d; optimizer %s; lr scheduler %s",
@@ -238,7 +247,7 @@ class DeepSpeedEngine(nn.Module):
             with torch.no_grad():
                 for tensor in [*model.parameters(), *model.buffers()]:
                     dist.broadcast(tensor.data, src=0)
-        apply_fsdp(model, self.plan, fsdp_mesh(self.mesh, self.dims), pin_memory=False)
+        apply_fsdp(model, self.plan, self.meshes.dense_shard, pin_memory=False)
         return model
 
     def _configure_optimizer(
@@ -327,13 +336,13 @@ class DeepSpeedEngine(nn.Module):
             raise ValueError("Training data must be a torch Dataset")
         if data_sampler is None and route in ("predict", "eval") and not isinstance(dataset, IterableDataset):
             data_sampler = DistributedSampler(
-                dataset, num_replicas=self.dp_world_size, rank=self.dp_mesh.get_local_rank(), shuffle=False
+                dataset, num_replicas=self.dp_world_size, rank=self.get_data_parallel_rank(), shuffle=False
             )
         return DeepSpeedDataLoader(
             dataset,
             batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
             dp_world_size=self.dp_world_size,
-            dp_rank=self.dp_mesh.get_local_rank(),
+            dp_rank=self.get_data_parallel_rank(),
             collate_fn=collate_fn or self.collate_fn,
             drop_last=bool(self.config.get("dataloader_drop_last", False)),
             pin_memory=pin_memory and self.device.type != "cpu",
@@ -375,7 +384,7 @@ class DeepSpeedEngine(nn.Module):
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def get_data_parallel_rank(self) -> int:
-        return self.dp_mesh.get_local_rank()
+        return self.meshes.dp.get_local_rank()
 
     def get_global_grad_norm(self) -> float | None:
         return self._global_grad_norm
@@ -436,49 +445,23 @@ class DeepSpeedEngine(nn.Module):
             "loss must be a scalar tensor. If you need to pass output gradients, backward() of output tensors"
         )
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
-        if self.hsdp:
-            # Reduce-scatter every micro batch; all-reduce across the replicas only at the boundary.
-            self.module.set_requires_all_reduce(self.is_gradient_accumulation_boundary())
-        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        (scaled * (loss_scale / self.dp_world_size)).backward(retain_graph=retain_graph)
+        self.step_runner.before_backward(last_of_step=self.is_gradient_accumulation_boundary())
+        (scaled * (self.step_runner.loss_scale / self.dp_world_size)).backward(retain_graph=retain_graph)
         return scaled
 
     def zero_grad(self) -> None:
         for param in self.module.parameters():
             param.grad = None
 
-    def _trainable(self) -> list[nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
-
     def step(self, lr_kwargs: dict | None = None) -> None:
-        """At the accumulation boundary: clip (gradient_clipping), skip on a non-finite norm, optimizer step, lr
-        scheduler step, zero the gradients, count the step. Every call counts a micro step."""
+        """At the accumulation boundary: the trainer's step (clip at gradient_clipping, skip on a non-finite norm,
+        optimizer step, lr scheduler step with `lr_kwargs`, zero the gradients), then count the step. Every call
+        counts a micro step."""
         assert self.optimizer is not None, "must provide optimizer during init in order to use step"
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-            self._global_grad_norm, self._step_applied = unscale_clip_and_step(
-                self._trainable(), self.optimizer, self.gradient_clipping(), loss_scale
-            )
-            overflow = not self._step_applied
-            if self._step_applied:
-                if self.lr_scheduler is not None:
-                    try:
-                        self.lr_scheduler.step(**(lr_kwargs or {}))
-                    except TypeError:
-                        self.lr_scheduler.step(self.train_batch_size())
-            else:
-                self.skipped_steps += 1
-                self.log.warning(
-                    "ds_compat: skipping step %d: the gradient norm is %s%s (skipped steps: %d)",
-                    self.global_steps + 1,
-                    self._global_grad_norm,
-                    "" if self.loss_scaler is None else f" at fp16 loss scale {loss_scale:g}",
-                    self.skipped_steps,
-                )
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(overflow=overflow)
-            self.optimizer.zero_grad(set_to_none=True)
+            outcome = self.step_runner.finish(scheduler_kwargs=lr_kwargs)
+            self._global_grad_norm, self._step_applied = outcome.grad_norm, outcome.stepped
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             if self.global_steps % self.translation.steps_per_print == 0:  # DeepSpeed's _report_progress
@@ -490,6 +473,17 @@ class DeepSpeedEngine(nn.Module):
                     self.get_mom(),
                 )
         self.micro_steps += 1
+
+    def _skip_step(self, loss: float | None, outcome: StepOutcome) -> None:
+        """DeepSpeed skips a step with a non-finite gradient norm, without limit, and says so."""
+        self.skipped_steps += 1
+        self.log.warning(
+            "ds_compat: skipping step %d: the gradient norm is %s%s (skipped steps: %d)",
+            self.global_steps + 1,
+            outcome.grad_norm,
+            "" if self.loss_scaler is None else f" at fp16 loss scale {outcome.loss_scale:g}",
+            self.skipped_steps,
+        )
 
     # ------------------------------------------------------------------------------------------------------
     # Checkpoints

@@ -298,7 +298,8 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
         report.override("training.on_nonfinite", "skip")
         report.note(
             "bf16 check_grad_overflow (DeepSpeed's default) -> training.on_nonfinite=skip; DeepSpeed skips without "
-            "limit, the trainer stops after training.max_skipped_steps skipped steps."
+            "limit, the trainer stops after training.max_skipped_steps skipped steps.",
+            door="trainer",
         )
     if autocast_on:
         report.note(
@@ -337,7 +338,10 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
 
 def map_clipping(ds: dict, report: Report) -> float:
     if "gradient_clipping" not in ds:
-        report.note("gradient_clipping is not set: DeepSpeed 0.19 clips at its default 1.0, and so does the trainer.")
+        report.note(
+            "gradient_clipping is not set: DeepSpeed 0.19 clips at its default 1.0, and so does the trainer.",
+            door="trainer",
+        )
     clip = as_float("gradient_clipping", ds.get("gradient_clipping", 1.0))
     if clip < 0:
         report.note(f"gradient_clipping = {clip} < 0 disables clipping in DeepSpeed; training.clip_grad=0 does here.")
@@ -369,11 +373,16 @@ def map_logging(ds: dict, report: Report) -> int:
         section, on = _enabled(ds, "tensorboard")
         report.override("training.tensorboard", on)
         if on and ("output_path" in section or "job_name" in section):
-            report.note("tensorboard events go to <training.output_dir>/tensorboard, not output_path/job_name.")
+            report.note(
+                "tensorboard events go to <training.output_dir>/tensorboard, not output_path/job_name.", door="trainer"
+            )
     if "csv_monitor" in ds:
         _, on = _enabled(ds, "csv_monitor")
         if on:
-            report.note("csv_monitor -> the trainer's <training.output_dir>/metrics.jsonl (JSON lines, not CSV files).")
+            report.note(
+                "csv_monitor -> the trainer's <training.output_dir>/metrics.jsonl (JSON lines, not CSV files).",
+                door="trainer",
+            )
         else:
             report.ignore("csv_monitor")
     for key in ("wandb", "comet"):
@@ -405,14 +414,16 @@ def map_activation_checkpointing(ds: dict, report: Report) -> None:
     report.note(
         "activation_checkpointing -> features.recompute.enabled=true (full granularity; default plan: the vision "
         "blocks and the text decoder layers). partition_activations has nothing to split without tensor "
-        "parallelism; the other keys tune DeepSpeed's own checkpointing buffers."
+        "parallelism; the other keys tune DeepSpeed's own checkpointing buffers.",
+        door="trainer",
     )
     if as_bool("activation_checkpointing.cpu_checkpointing", section.get("cpu_checkpointing", False)):
         report.override("features.activation_offload.enabled", True)
         report.note(
             "activation_checkpointing.cpu_checkpointing -> features.activation_offload.enabled=true: the recomputed "
             "modules' saved inputs wait in pinned host memory and are prefetched in backward (DeepSpeed moves its "
-            "checkpointed activations to the CPU the same way, there only together with partition_activations)."
+            "checkpointed activations to the CPU the same way, there only together with partition_activations).",
+            door="trainer",
         )
     elif "cpu_checkpointing" in section:
         report.ignore("activation_checkpointing.cpu_checkpointing")

@@ -131,7 +131,8 @@ def optimizer_spec(section: Any, training: TrainingConfig, report: Report) -> Op
         report.ignore("optimizer")
         report.note(
             "optimizer has no 'type': DeepSpeed then uses the optimizer the script passes; the trainer uses the "
-            "training config's AdamW."
+            "training config's AdamW.",
+            door="trainer",
         )
         return optimizer_from_training(training)
     if not isinstance(name, str):
@@ -203,12 +204,14 @@ def _adam_spec(lower: str, name: str, params: dict, report: Report) -> Optimizer
     if not adam_w_mode and kwargs["weight_decay"] > 0:
         report.note(
             "optimizer Adam with adam_w_mode false applies L2 weight decay (torch.optim.Adam), not AdamW's decoupled "
-            "decay: the trainer builds torch.optim.Adam from the ds_config (Translation.optimizer)."
+            "decay: the trainer builds torch.optim.Adam from the ds_config (Translation.optimizer).",
+            door="trainer",
         )
     if kwargs["weight_decay"] > 0:
         report.note(
             "weight decay: DeepSpeed decays every parameter the script passes it; the trainer exempts biases and norm "
-            "weights (1-D tensors), as the HF Trainer does."
+            "weights (1-D tensors), as the HF Trainer does.",
+            door="trainer",
         )
     return OptimizerSpec("AdamW" if adam_w_mode else "Adam", kwargs, ds_type=name, adam_w_mode=adam_w_mode)
 
@@ -257,7 +260,8 @@ def _torch_optimizer_spec(name: str, lower: str, params: dict, report: Report) -
     as_float("optimizer.params.lr", kwargs["lr"], minimum=0.0)
     report.note(
         f"optimizer {name}: the trainer builds torch.optim.{class_name} from the ds_config (Translation.optimizer); "
-        "the training.adam_* keys do not apply."
+        "the training.adam_* keys do not apply.",
+        door="trainer",
     )
     return OptimizerSpec(class_name, kwargs, ds_type=name)
 
@@ -353,7 +357,8 @@ def _deepspeed_schedule(name: str, params: dict, optimizer: OptimizerSpec, repor
             momentum_fn = functools.partial(schedules.one_cycle_momentum, **values)
             report.note(
                 "OneCycle cycles beta1 between cycle_max_mom and cycle_min_mom and sets beta2 to 0.99, as DeepSpeed "
-                "does: the trainer must apply SchedulerSpec.momentum_at(step) to the optimizer's betas."
+                "does: the trainer must apply SchedulerSpec.momentum_at(step) to the optimizer's betas.",
+                door="trainer",
             )
         else:
             report.note(

@@ -1,4 +1,5 @@
-"""The optimizer, its learning-rate schedule, and the optimizer step every door shares (trainer, ds_compat engine).
+"""The optimizer and its learning-rate schedule, built the same for every door (trainer, ds_compat engine); the step
+itself is glm45v_fsdp/step.py.
 
 An `OptimizerRecipe` says which `torch.optim` class the trainer builds and how the lr (and Adam betas) move with the
 optimizer steps. Our own `training.*` keys give AdamW with a linear warmup and a constant / linear / cosine decay to
@@ -15,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
@@ -139,36 +139,6 @@ class RecipeSchedule:
 
     def __repr__(self) -> str:
         return f"RecipeSchedule({self.recipe.schedule}, steps={self.steps})"
-
-
-def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
-    """Global L2 norm of the gradients; DTensor shards are reduced across their mesh."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-def unscale_clip_and_step(
-    parameters: list[nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    clip: float,
-    loss_scale: float = 1.0,
-    loss_is_finite: bool = True,
-) -> tuple[float, bool]:
-    """The optimizer step of a step whose gradients are accumulated: the global gradient norm (unscaled by the fp16
-    `loss_scale`), then, unless it or the loss is non-finite, unscale the gradients, clip them to `clip` (0: off)
-    and step. Returns (the pre-clip norm, whether the optimizer stepped). The caller zeroes the gradients and moves
-    its schedule and loss scaler."""
-    grad_norm = float(total_grad_norm(parameters)) / loss_scale
-    if not (loss_is_finite and math.isfinite(grad_norm)):
-        return grad_norm, False
-    if loss_scale != 1.0:
-        torch._foreach_mul_([p.grad for p in parameters if p.grad is not None], 1.0 / loss_scale)
-    if clip > 0:
-        norm = torch.tensor(grad_norm, device=parameters[0].device)
-        torch.nn.utils.clip_grads_with_norm_(parameters, clip, norm, foreach=True)
-    optimizer.step()
-    return grad_norm, True
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, recipe: OptimizerRecipe) -> RecipeSchedule:

@@ -3,7 +3,6 @@ checkpoint cadence and resume."""
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -35,15 +34,11 @@ from glm45v_fsdp.metrics import (
     previous_run,
     summarize,
 )
-from glm45v_fsdp.optim import (
-    OptimizerRecipe,
-    build_optimizer,
-    build_scheduler,
-    recipe_from_training,
-    unscale_clip_and_step,
-)
+from glm45v_fsdp.model.moe import moe_blocks, moe_load_metrics
+from glm45v_fsdp.optim import OptimizerRecipe, build_optimizer, build_scheduler, recipe_from_training
 from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
 from glm45v_fsdp.runtime import MemoryMeter
+from glm45v_fsdp.step import OptimizerStep, StepOutcome
 
 Batch = dict[str, torch.Tensor]
 
@@ -93,8 +88,17 @@ class Trainer:
         self.scaler = LossScaler(training.loss_scale) if fp16 else None
         if self.scaler is not None:
             self.log.info("fp16: %s", self.scaler.describe())
-        self.hsdp = is_sharded(model) and runtime.dims.dp_replicate > 1
-        self.cp_group = runtime.mesh["cp"].get_group() if runtime.dims.cp > 1 else None
+        self.step_runner = OptimizerStep(
+            self.parameters,
+            self.optimizer,
+            self.scheduler,
+            clip=training.clip_grad,
+            scaler=self.scaler,
+            hsdp_root=model if is_sharded(model) and runtime.dims.hsdp_enabled else None,
+            on_skip=self._skip_step,
+        )
+        self.sequence_layout = model.sequence_layout  # CP: how each micro batch's sequence lies over the ranks
+        self.moe_blocks = moe_blocks(model)
         head = model.get_submodule("lm_head")
         self.chunk_head = head if isinstance(head, ChunkedLossHead) else None
         self.chunk_trace: list[ChunkChoice] = []  # this step's chunking, one entry per micro batch
@@ -208,7 +212,7 @@ class Trainer:
         device = self.runtime.torch_device
         packed = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
         if self.runtime.dp_size > 1:
-            dist.all_reduce(packed, group=self.runtime.dp_mesh.get_group())
+            dist.all_reduce(packed, group=self.runtime.meshes.dp.get_group())
         return packed.tolist()
 
     def _gather_rank_figures(self, ms: float, mem_bytes: int) -> tuple[list[float], list[float]]:
@@ -232,12 +236,10 @@ class Trainer:
         if failed_ranks:
             raise UserError("Another data-parallel rank stopped on a data error; its message is in that rank's output.")
         global_valid_tensor = torch.tensor(global_valid, device=self.runtime.torch_device)
-        loss_scale = self.scaler.scale if self.scaler is not None else 1.0
+        loss_scale = self.step_runner.loss_scale
         report_loss = torch.zeros((), dtype=torch.float64, device=self.runtime.torch_device)
         for index, batch in enumerate(micro_batches):
-            if self.hsdp:
-                # Reduce-scatter every micro batch (keeps gradients sharded); all-reduce replicas only at the end.
-                self.model.set_requires_all_reduce(index == accumulation - 1)
+            self.step_runner.before_backward(last_of_step=index == accumulation - 1)
             batch = move_batch(batch, self.runtime.torch_device)
             with self.precision:
                 ce_sum, valid = self.model(batch)
@@ -246,30 +248,19 @@ class Trainer:
             scale = micro_loss_scale(training.loss_type, valid, global_valid_tensor, accumulation, self.runtime.dp_size)
             (ce_sum * (scale * loss_scale)).backward()
             report_loss += (ce_sum.detach() * scale).double()
-        if self.cp_group is not None:  # each CP rank holds the CE of its slice of the sequence
-            dist.all_reduce(report_loss, group=self.cp_group)
+        self.sequence_layout.reduce(report_loss)  # CP: each rank holds the CE of its part of the sequence
         loss, tokens = self._dp_all_reduce([report_loss, local_tokens])
-        grad_norm_value, stepped = unscale_clip_and_step(
-            self.parameters, self.optimizer, training.clip_grad, loss_scale, loss_is_finite=math.isfinite(loss)
-        )
-        skipped = not stepped
-        if stepped:
-            self.scheduler.step()
-        else:
-            self._skip_step(loss, grad_norm_value)
-        if self.scaler is not None:
-            self.scaler.update(overflow=skipped)
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm_value, int(tokens), skipped
+        outcome = self.step_runner.finish(loss=loss)
+        return loss, outcome.grad_norm, int(tokens), not outcome.stepped
 
-    def _skip_step(self, loss: float, grad_norm: float) -> None:
+    def _skip_step(self, loss: float | None, outcome: StepOutcome) -> None:
         """A step with a non-finite loss or gradient norm: an fp16 overflow is the loss scaler's business (it halves
         the scale, and stops the run at its floor); otherwise training.on_nonfinite and max_skipped_steps decide."""
         training = self.config.training
         self.skipped_steps += 1
-        reason = f"loss {loss} / grad norm {grad_norm} at step {self.step + 1}"
+        reason = f"loss {loss} / grad norm {outcome.grad_norm} at step {self.step + 1}"
         if self.scaler is not None:
-            self.log.info("fp16 gradient overflow at loss scale %g: step %d skipped", self.scaler.scale, self.step + 1)
+            self.log.info("fp16 gradient overflow at loss scale %g: step %d skipped", outcome.loss_scale, self.step + 1)
             return
         if training.on_nonfinite == "stop" or self.skipped_steps > training.max_skipped_steps:
             raise TrainingStopped(
@@ -346,7 +337,12 @@ class Trainer:
             skipped_steps_total=self.skipped_steps,
             ms_per_iter_per_rank=ms_ranks,
             mem_peak_per_rank_gib=mem_ranks,
-            extra={**self._chunk_metrics(), **self._offload_metrics(), **self._loss_scale_metrics()},
+            extra={
+                **self._chunk_metrics(),
+                **self._offload_metrics(),
+                **self._loss_scale_metrics(),
+                **moe_load_metrics(self.moe_blocks, self.runtime.torch_device),
+            },
         )
         self.records.append(record)
         if self.runtime.is_main:

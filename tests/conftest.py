@@ -1,17 +1,91 @@
-"""Shared fixtures."""
+"""Shared helpers and fixtures of the test suite: a free port, the clean environment of child processes, running the
+trainer as a real process, reading its metrics, the parity error, and ending spawned gloo workers. Test modules import
+the helpers with `from conftest import ...` (pytest puts tests/ on sys.path)."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
-from test_train import PARITY, read_metrics, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Identical global batches, fp32, every memory switch off: the reference run of the parity tests.
+PARITY = [
+    "training.train_iters=20",
+    "parallel.fsdp_plan.param_dtype=fp32",
+    "parallel.fsdp_plan.reduce_dtype=fp32",
+    "data.synthetic_samples=64",
+    "training.lr=1e-3",
+    "training.log_interval=20",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env() -> dict[str, str]:
+    """The environment of a child process: the parent's launcher variables must not leak into it; one CPU thread."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "SLURM_"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return env
+
+
+def train(output_dir: Path, overrides: list[str], nproc: int = 1, env: dict | None = None):
+    """`python -m glm45v_fsdp.train` (under torchrun when nproc > 1) writing to output_dir."""
+    if nproc == 1:
+        command = [sys.executable, "-m", "glm45v_fsdp.train"]
+    else:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            "-m",
+            "glm45v_fsdp.train",
+        ]
+    command += [f"training.output_dir={output_dir}", "training.progress_bar=false", *overrides]
+    return subprocess.run(command, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=600)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def mean_relative_error(test: list[float], reference: list[float]) -> float:
+    """The reference report's metric: mean over steps of |test - reference| / (|reference| + 1e-8)."""
+    assert len(test) == len(reference) == 20
+    return sum(abs(t - r) / (abs(r) + 1e-8) for t, r in zip(test, reference)) / len(reference)
+
+
+def end_worker() -> None:
+    """End a torch.multiprocessing worker that finished its checks: wait for the other ranks, then exit without the
+    gloo teardown, which aborts now and then ("terminate called without an active exception"; the trainer ends the
+    same way, see runtime/dist.py shutdown)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="session")
 def parity_off(tmp_path_factory) -> Callable[[int], list[dict]]:
     """The metrics of the plain PARITY run (every memory switch off) on `nproc` ranks, trained once per session:
-    the chunk-loss, recompute and offload parity tests all compare against it."""
+    the chunk-loss, recompute, offload and context-parallel parity tests all compare against it."""
     cache: dict[int, list[dict]] = {}
 
     def records(nproc: int) -> list[dict]:

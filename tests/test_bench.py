@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import clean_env
 from PIL import Image
-from test_train import clean_env
 
 REPO = Path(__file__).resolve().parents[1]
 

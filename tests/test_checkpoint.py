@@ -8,16 +8,14 @@ happens once per module and the tests compare their metrics.jsonl.
 from __future__ import annotations
 
 import json
-import os
 import random
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import train
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from glm45v_fsdp.checkpoint.dcp import TMP_SUFFIX, check_save_targets, find_checkpoint, resolve_load
@@ -42,22 +40,6 @@ LAYOUT = {
     4: ["training.micro_batch_size=1", "training.gradient_accumulation_steps=1"],
 }
 STEP6 = "step_00000006"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def train(output_dir: Path, overrides: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "SLURM_"))}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "glm45v_fsdp.train"]
-    if nproc > 1:
-        command[2:2] = ["torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}", "-m"]
-    command += [f"training.output_dir={output_dir}", *overrides]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train import PARITY, mean_relative_error, read_metrics, train
+from conftest import PARITY, mean_relative_error, read_metrics, train
 
 from glm45v_fsdp.config import ChunkLossConfig
 from glm45v_fsdp.memory.chunk_loss import ChunkedLossHead, choose_chunk, chunked_linear_cross_entropy
@@ -43,8 +43,8 @@ def test_head_skips_unsupervised_rows_and_matches_the_shifted_loss():
     hidden = torch.randn(2, 9, 8, requires_grad=True)
     labels = torch.randint(0, 50, (2, 9))
     labels[0, :4] = -100
-    loss, count = head(hidden, labels)
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    loss, count = head(hidden, shifted)
     reference = F.cross_entropy(
         F.linear(hidden, reference_weight).reshape(-1, 50), shifted.reshape(-1), reduction="sum"
     )

@@ -5,29 +5,24 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_train import PARITY, mean_relative_error, read_metrics, train
+from conftest import PARITY, end_worker, free_port, mean_relative_error, read_metrics, train
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Glm4vMoeConfig
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextModel
 
-from glm45v_fsdp.config import load_config
+from glm45v_fsdp.config import RecomputeConfig, load_config
 from glm45v_fsdp.data.vocab import IGNORE_INDEX
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.memory.recompute import apply_recompute
 from glm45v_fsdp.model.presets import PRESETS
-from glm45v_fsdp.parallel.context import (
-    ContextParallel,
-    apply_context_parallel,
-    check_context_parallel,
-    gather_rows,
-    image_owners,
-    pad_to_multiple,
-)
+from glm45v_fsdp.parallel.context import Ulysses, apply_context_parallel, check_context_parallel
+from glm45v_fsdp.parallel.sequence import SplitSequence, image_owners, pad_to_multiple
 
 SEQ = 12
 # (query heads, key/value heads, kernel, mask) on 2 CP ranks: key/value heads split (2 per rank), one per rank, and
@@ -70,18 +65,36 @@ def zeros_if_none(param: nn.Parameter) -> torch.Tensor:
     return param.grad if param.grad is not None else torch.zeros_like(param)
 
 
+def split_language_model(heads: int, kv_heads: int, kernel: str, group, world: int, rank: int):
+    """(transformers' language model, a copy of it under the Ulysses plan, the copy's sequence layout)."""
+    torch.manual_seed(0)
+    reference = Glm4vMoeTextModel(text_config(heads, kv_heads, kernel))
+    root = nn.Module()
+    root.model = nn.Module()
+    root.model.language_model = copy.deepcopy(reference)
+    layout = SplitSequence(group, world, rank, pad_token_id=0)
+    apply_context_parallel(root, layout, Ulysses(group, world, kernel))
+    return reference, root, layout
+
+
+class CountExchanges(TorchDispatchMode):
+    """Counts the all-to-alls that really run (a selective-checkpoint cache hit never reaches this mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops._c10d_functional.all_to_all_single.default
+        return func(*args, **(kwargs or {}))
+
+
 def _split_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.group.WORLD
     errors = {}
     for heads, kv_heads, kernel, mask in CASES:
-        cp = ContextParallel(group=group, size=world, rank=rank, kernel=kernel)
-        torch.manual_seed(0)
-        reference = Glm4vMoeTextModel(text_config(heads, kv_heads, kernel))
-        root = nn.Module()
-        root.model = nn.Module()
-        root.model.language_model = copy.deepcopy(reference)
-        apply_context_parallel(root, cp)
+        reference, root, layout = split_language_model(heads, kv_heads, kernel, group, world, rank)
         split = root.model.language_model
         data = inputs(mask)
         weight = torch.randn(*data["inputs_embeds"].shape, generator=torch.Generator().manual_seed(9))
@@ -91,7 +104,7 @@ def _split_worker(rank: int, world: int, port: int, out: str) -> None:
         (full * weight).sum().backward()
         local_embeds = data["inputs_embeds"].clone().requires_grad_()
         local = split(**{**data, "inputs_embeds": local_embeds}, use_cache=False).last_hidden_state
-        (local * cp.local(weight, dim=1)).sum().backward()
+        (local * layout.shard(weight, dim=1)).sum().backward()
 
         # Unused parameters (the token embedding: the inputs are embeddings) have no gradient on either side.
         grads = [local_embeds.grad] + [zeros_if_none(p) for p in split.parameters()]
@@ -99,41 +112,65 @@ def _split_worker(rank: int, world: int, port: int, out: str) -> None:
             dist.all_reduce(grad, group=group)  # the CP ranks' partial gradients add up to the full one
         expected = [full_embeds.grad] + [zeros_if_none(p) for p in reference.parameters()]
         errors[f"{heads}/{kv_heads} {kernel} {mask}"] = {
-            "output": (local - cp.local(full, dim=1)).abs().max().item(),
+            "output": (local - layout.shard(full, dim=1)).abs().max().item(),
             "grad": max((g - e).abs().max().item() / (e.abs().max().item() + 1e-12) for g, e in zip(grads, expected)),
             "shape": list(local.shape),
+            "expected_shape": [data["inputs_embeds"].shape[0], SEQ // world, 64],
+            "unsplit": (layout.unshard(local, dim=1) - full).abs().max().item(),
         }
-    cp = ContextParallel(group=group, size=world, rank=rank, kernel="sdpa")
+    layout = SplitSequence(group, world, rank, pad_token_id=0)
     for counts in ([3, 2], [0, 4]):  # a rank without images contributes no rows
         parts = [torch.randn(count, 5, generator=torch.Generator().manual_seed(r)) for r, count in enumerate(counts)]
         weights = [torch.randn(sum(counts), 5, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
         rows = parts[rank].clone().requires_grad_()
-        gathered = gather_rows(rows, counts, cp)
+        gathered = layout.gather_rows(rows, counts)
         (gathered * weights[rank]).sum().backward()
         start = sum(counts[:rank])
         expected_grad = sum(weights)[start : start + counts[rank]]  # every rank's use of these rows
         errors[f"gather {counts}"] = {
             "output": (gathered - torch.cat(parts)).abs().max().item(),
             "grad": (rows.grad - expected_grad).abs().max().item() if counts[rank] else 0.0,
-            "shape": [1, SEQ // 2],
+            "shape": list(gathered.shape),
+            "expected_shape": [sum(counts), 5],
+            "unsplit": 0.0,
         }
+    exchanges = {}
+    for recompute in ("off", "selective", "full"):
+        _, root, _ = split_language_model(4, 2, "sdpa", group, world, rank)
+        if recompute != "off":
+            cfg = RecomputeConfig(
+                enabled=True,
+                apply_modules=["model.language_model.layers.{*}"],
+                granularity=recompute,
+                keep_attention=False,
+            )
+            apply_recompute(root, cfg)
+        data = inputs("causal")
+        embeds = data["inputs_embeds"].clone().requires_grad_()
+        output = root.model.language_model(**{**data, "inputs_embeds": embeds}, use_cache=False).last_hidden_state
+        with CountExchanges() as counter:
+            output.sum().backward()
+        exchanges[recompute] = counter.count
     with open(f"{out}.{rank}", "w") as handle:
-        json.dump(errors, handle)
-    dist.destroy_process_group()
+        json.dump({"errors": errors, "exchanges": exchanges}, handle)
+    end_worker()
 
 
 def test_split_language_model_matches_unsplit(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_split_worker, args=(2, port, str(tmp_path / "errors")), nprocs=2, join=True)
+    mp.spawn(_split_worker, args=(2, free_port(), str(tmp_path / "errors")), nprocs=2, join=True)
     for rank in range(2):
-        errors = json.loads((tmp_path / f"errors.{rank}").read_text())
+        found = json.loads((tmp_path / f"errors.{rank}").read_text())
+        errors = found["errors"]
         assert len(errors) == len(CASES) + 2
-        for case, found in errors.items():
-            assert found["shape"][1] == SEQ // 2, case
-            assert found["output"] < 1e-5, (rank, case, found)
-            assert found["grad"] < 1e-5, (rank, case, found)
+        for case, figures in errors.items():
+            assert figures["shape"] == figures["expected_shape"], case
+            assert figures["output"] < 1e-5, (rank, case, figures)
+            assert figures["grad"] < 1e-5, (rank, case, figures)
+            assert figures["unsplit"] < 1e-5, (rank, case, figures)
+        # Backward exchanges: 4 per layer without recompute (the backward of q, k, v and output); selective
+        # recompute keeps the forward's exchanges, so it adds none; full recompute replays them (4 more per layer).
+        layers = 2
+        assert found["exchanges"] == {"off": 4 * layers, "selective": 4 * layers, "full": 8 * layers}, found
 
 
 def test_image_owners_are_contiguous_and_balanced_by_patches():

@@ -26,8 +26,8 @@ from torch import nn
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from test_train import clean_env as train_env  # noqa: E402
-from test_train import free_port  # noqa: E402
+from conftest import clean_env as train_env  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 import ds_compat  # noqa: E402
 from ds_compat import comm  # noqa: E402

@@ -6,12 +6,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from ds_compat import launcher
 from ds_compat.hostfile import read_hostfile, resolve_world
@@ -334,12 +334,6 @@ def test_deepspeed_env_files_and_exported_variables(env, capsys, monkeypatch):
     assert "NCCL_IB_HCA" not in exports and "A" not in exports
     (env / "work" / "cluster.env").write_text("E=1\nexport F=2\n")
     assert "cluster.env line 2: 'export F=2' is not NAME=VALUE" in user_error(capsys, "-H", hostfile, "t.py")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:

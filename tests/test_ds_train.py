@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train import PARITY, clean_env, free_port, read_metrics, train
+from conftest import PARITY, clean_env, free_port, read_metrics, train
 
 from ds_compat.config import translate
 

@@ -6,7 +6,6 @@ FSDP shards on 2 ranks are uneven) saved with `save_pretrained`.
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import yaml
+from conftest import end_worker, free_port
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -68,12 +68,6 @@ def reference_model(overrides: dict = OVERRIDES) -> Glm4vMoeForConditionalGenera
             if tensor.dim() == 1:
                 tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.05)
     return model
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_dir(directory: Path) -> dict[str, torch.Tensor]:
@@ -291,7 +285,7 @@ def _two_rank_worker(rank: int, port: int, hub: str, out: str) -> None:
     result["logits"] = captured[0]
     export_hf(model, Path(out) / "export", model.config, max_shard_bytes=300_000)
     torch.save(result, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    end_worker()
 
 
 def test_two_ranks_read_their_slices_and_export_loads_in_transformers(checkpoints, tmp_path):
@@ -407,7 +401,7 @@ def _memory_worker(rank: int, port: int, directory: str, out: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (the peak) to the current RSS
     report = load_hf_weights(model, directory)
     torch.save({"increase": _vm("VmHWM") - base, "bytes_read": report.bytes_read}, Path(out) / f"mem{rank}.pt")
-    dist.destroy_process_group()
+    end_worker()
 
 
 def test_sliced_load_peak_host_memory_is_far_below_the_checkpoint(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_train import PARITY, read_metrics, train
+from conftest import PARITY, read_metrics, train
 
 from glm45v_fsdp.config import LossScaleConfig
 from glm45v_fsdp.errors import TrainingStopped

@@ -1,6 +1,5 @@
 """Model layer: presets, config loading, meta build, deterministic (FSDP2-aware) materialization, freezing, loss."""
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -8,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import end_worker, free_port
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -227,13 +227,11 @@ def _fsdp_worker(rank: int, world_size: int, port: int, out: str) -> None:
             },
             out,
         )
-    dist.destroy_process_group()
+    end_worker()
 
 
 def test_materialize_under_fsdp2_matches_single_rank(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     out = tmp_path / "rank0.pt"
     mp.spawn(_fsdp_worker, args=(2, port, str(out)), nprocs=2, join=True)
     sharded = torch.load(out)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from test_train import PARITY, mean_relative_error, read_metrics, train
+from conftest import PARITY, mean_relative_error, read_metrics, train
 from torch import nn
 
 from glm45v_fsdp.config import ActivationOffloadConfig, ModelConfig, RecomputeConfig, load_config

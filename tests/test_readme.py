@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_train import clean_env, free_port
+from conftest import clean_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

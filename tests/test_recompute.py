@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_train import PARITY, mean_relative_error, read_metrics, train
+from conftest import PARITY, mean_relative_error, read_metrics, train
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm45v_fsdp.config import ModelConfig, RecomputeConfig

@@ -3,7 +3,6 @@ mesh (1 rank and 4 gloo ranks), seeding, deterministic mode and the peak-memory 
 
 import os
 import random
-import socket
 import types
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from glm45v_fsdp.config import ParallelConfig
 from glm45v_fsdp.errors import UserError
@@ -18,12 +18,10 @@ from glm45v_fsdp.runtime import (
     DistEnv,
     MemoryMeter,
     ParallelDims,
-    build_device_mesh,
+    ParallelMeshes,
     build_parallel_dims,
     detect_dist_env,
     expand_slurm_nodelist,
-    flattened_mesh,
-    fsdp_mesh,
     init_distributed,
     select_device,
     set_deterministic,
@@ -325,15 +323,19 @@ def test_cpu_fused_adamw_support_matches_torch():
 
 def test_parallel_dims():
     dims = build_parallel_dims(ParallelConfig(), 1)
-    assert dims == ParallelDims(world_size=1, dp_replicate=1, dp_shard=1, ulysses=1, ring=1, ep=1)
+    assert dims == ParallelDims(world_size=1, dp_replicate=1, dp_shard=1, cp_ring=1, cp_ulysses=1, ep=1)
+    assert not (dims.hsdp_enabled or dims.cp_enabled or dims.ep_enabled)
     dims = build_parallel_dims(ParallelConfig(data_parallel_replicate_size=2), 8)
-    assert (dims.dp_shard, dims.cp, dims.dp, dims.fsdp_size, dims.efsdp) == (4, 1, 8, 4, 4)
-    dims = ParallelDims(world_size=16, dp_replicate=2, dp_shard=2, ulysses=2, ring=2, ep=2)
+    assert (dims.dp_shard, dims.cp, dims.dp, dims.fsdp_size, dims.efsdp) == (4, 1, 8, 4, 4) and dims.hsdp_enabled
+    dims = ParallelDims(world_size=16, dp_replicate=2, dp_shard=2, cp_ring=2, cp_ulysses=2, ep=2)
     assert (dims.cp, dims.dp, dims.fsdp_size, dims.efsdp) == (4, 4, 8, 4)
+    assert dims.cp_ring_enabled and dims.cp_ulysses_enabled and dims.ep_enabled
     with pytest.raises(UserError, match="'parallel.data_parallel_replicate_size' = 3 .* world size 4"):
         build_parallel_dims(ParallelConfig(data_parallel_replicate_size=3), 4)
     with pytest.raises(ValueError, match="inconsistent"):
-        ParallelDims(world_size=4, dp_replicate=1, dp_shard=2, ulysses=1, ring=1, ep=1)
+        ParallelDims(world_size=4, dp_replicate=1, dp_shard=2, cp_ring=1, cp_ulysses=1, ep=1)
+    with pytest.raises(ValueError, match="inconsistent"):
+        ParallelDims(world_size=4, dp_replicate=1, dp_shard=4, cp_ring=1, cp_ulysses=1, ep=3)
 
 
 @pytest.fixture
@@ -355,26 +357,44 @@ def test_single_process_group_and_mesh(clean_dist_env):
     with pytest.raises(RuntimeError, match="already exists as rank 0 of 1"):
         init_distributed(DistEnv(1, 0, 2, 2, "h", 1, "torchrun"), layer)
 
-    dims = build_parallel_dims(ParallelConfig(), 1)
-    mesh = build_device_mesh(dims, "cpu")
-    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "cp") and mesh.shape == (1, 1, 1)
-    assert flattened_mesh(mesh, "dp").mesh_dim_names == ("dp",)
-    shard = fsdp_mesh(mesh, dims)
-    assert shard.mesh_dim_names == ("dp_shard_cp",) and dist.get_process_group_ranks(shard.get_group()) == [0]
+    meshes = ParallelMeshes(build_parallel_dims(ParallelConfig(), 1), "cpu")
+    assert meshes.world.mesh_dim_names == ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses")
+    assert meshes.world.shape == (1, 1, 1, 1)  # one-rank dims stay in the mesh
+    for name in ("dp", "fsdp", "cp", "cp_ring", "cp_ulysses", "dp_replicate", "efsdp", "ep", "dense_shard"):
+        view = getattr(meshes, name)
+        assert view.ndim == 1 and dist.get_process_group_ranks(view.get_group()) == [0], name
+    assert meshes.expert.mesh_dim_names == ("dp_replicate", "efsdp", "ep")
 
     shutdown()
     assert not dist.is_initialized()
     shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# (dp_replicate, dp_shard, cp_ring, cp_ulysses, ep) on 4 ranks -> the ranks of this rank's group in each view
+MESH_LAYOUTS = {
+    "hsdp 2x2, ep 2": (
+        (2, 2, 1, 1, 2),
+        {"dp": "0123", "fsdp": "01|23", "cp": "0|1|2|3", "dp_replicate": "02|13", "ep": "01|23", "efsdp": "0|1|2|3"},
+    ),
+    "ring 2 x ulysses 2": (
+        (1, 1, 2, 2, 1),
+        {"dp": "0|1|2|3", "fsdp": "0123", "cp": "0123", "cp_ring": "02|13", "cp_ulysses": "01|23", "efsdp": "0123"},
+    ),
+    "dp 2 x ulysses 2, ep 4": (
+        (1, 2, 1, 2, 4),
+        {"dp": "02|13", "fsdp": "0123", "cp": "01|23", "cp_ulysses": "01|23", "ep": "0123", "efsdp": "0|1|2|3"},
+    ),
+}
 
 
-def _hsdp_worker(rank: int, port: int) -> None:
-    """One of 4 gloo ranks: the 2x2 HSDP mesh, its groups, and one FSDP2 step under the memory meter."""
+def _group_of(rank: int, groups: str) -> list[int]:
+    return next([int(r) for r in group] for group in groups.split("|") if str(rank) in group)
+
+
+def _mesh_worker(rank: int, port: int) -> None:
+    """One of 4 gloo ranks: every mesh view of several layouts, the HSDP shard mesh, and one FSDP2 step on it
+    under the memory meter."""
+    from conftest import end_worker
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
@@ -382,20 +402,20 @@ def _hsdp_worker(rank: int, port: int) -> None:
         os.environ.pop(name, None)
     layer = select_device("cpu")
     init_distributed(DistEnv(rank, rank, 4, 4, "127.0.0.1", port, "torchrun"), layer)
-    dims = build_parallel_dims(ParallelConfig(data_parallel_replicate_size=2), 4)
-    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.dp, dims.fsdp_size) == (2, 2, 1, 4, 2)
-    mesh = build_device_mesh(dims, "cpu")
-    assert mesh.shape == (2, 2, 1)
+    for sizes, views in MESH_LAYOUTS.values():
+        meshes = ParallelMeshes(ParallelDims(4, *sizes), "cpu")
+        assert meshes.world.shape == sizes[:4]
+        for name, groups in views.items():
+            ranks = dist.get_process_group_ranks(getattr(meshes, name).get_group())
+            assert ranks == _group_of(rank, groups), (sizes, name, ranks)
+        total = torch.ones(1)
+        dist.all_reduce(total, group=meshes.ep.get_group())  # the groups work, not only exist
+        assert total.item() == sizes[4]
 
-    def ranks(submesh, dim=0):
-        return dist.get_process_group_ranks(submesh.get_group(dim))
-
-    assert ranks(flattened_mesh(mesh, "dp")) == [0, 1, 2, 3]
-    assert ranks(flattened_mesh(mesh, "dp_shard_cp")) == ([0, 1] if rank < 2 else [2, 3])
-    hsdp = fsdp_mesh(mesh, dims)
-    assert hsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and hsdp.mesh.tolist() == [[0, 1], [2, 3]]
-    assert ranks(hsdp, 0) == [rank % 2, rank % 2 + 2] and ranks(hsdp, 1) == ([0, 1] if rank < 2 else [2, 3])
-
+    meshes = ParallelMeshes(ParallelDims(4, 2, 2, 1, 1, 1), "cpu")
+    hsdp = meshes.dense_shard
+    assert hsdp.mesh_dim_names == ("dp_replicate", "fsdp") and hsdp.mesh.tolist() == [[0, 1], [2, 3]]
+    assert meshes.expert_shard.mesh_dim_names == ("dp_replicate", "efsdp")
     set_seed(0, layer)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
     for layer_module in (model[0], model[2], model):
@@ -409,11 +429,11 @@ def _hsdp_worker(rank: int, port: int) -> None:
     sharded_param_bytes = sum(p.to_local().nbytes for p in params)
     # unsharded parameters, gradients and Adam's two states all appear during the step
     assert meter.peak_bytes() > 3 * sharded_param_bytes
-    shutdown()
+    end_worker()
 
 
-def test_four_gloo_ranks_hsdp_mesh():
-    mp.spawn(_hsdp_worker, args=(_free_port(),), nprocs=4)
+def test_four_gloo_ranks_meshes_and_hsdp():
+    mp.spawn(_mesh_worker, args=(free_port(),), nprocs=4)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import end_worker, free_port
 from torch.distributed.tensor import DTensor
 from transformers import Glm4vMoeForConditionalGeneration
 
@@ -168,7 +168,6 @@ def _storage_bytes(tensors) -> int:
 def _allocation_worker(rank: int, port: int, out_dir: str) -> None:
     from glm45v_fsdp.builders import build_data, build_model, build_runtime
     from glm45v_fsdp.optim import build_optimizer, recipe_from_training
-    from glm45v_fsdp.runtime import shutdown
 
     torch.set_num_threads(1)
     for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
@@ -197,13 +196,11 @@ def _allocation_worker(rank: int, port: int, out_dir: str) -> None:
         "storage": _storage_bytes([p.to_local() for p in params]) + _storage_bytes([g.to_local() for g in grads]),
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    shutdown()
+    end_worker()
 
 
 def test_estimator_equals_a_real_two_rank_fsdp2_allocation(tmp_path, capsys):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     mp.spawn(_allocation_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
     estimate = preflight_json(capsys, "--world-size", "2", *EXACT_OVERRIDES)["memory"]["per_rank"]
     real = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import PARITY, clean_env, free_port, mean_relative_error, read_metrics, train
 
 REPO = Path(__file__).resolve().parents[1]
 METRIC_KEYS = {
@@ -23,41 +21,6 @@ METRIC_KEYS = {
     "mem_peak_max_gib",
     "mem_peak_avg_gib",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def clean_env() -> dict[str, str]:
-    """The parent's launcher variables must not leak into the child runs."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "SLURM_"))}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return env
-
-
-def train(output_dir: Path, overrides: list[str], nproc: int = 1, env: dict | None = None):
-    if nproc == 1:
-        command = [sys.executable, "-m", "glm45v_fsdp.train"]
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-            "-m",
-            "glm45v_fsdp.train",
-        ]
-    command += [f"training.output_dir={output_dir}", "training.progress_bar=false", *overrides]
-    return subprocess.run(command, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=600)
-
-
-def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
@@ -84,14 +47,6 @@ def test_default_training_runs_and_learns(tmp_path, nproc):
 # --------------------------------------------------------------------------------------------------------------
 # Parity: the same global batches give the same losses whatever the split into ranks x micro x accumulation.
 # --------------------------------------------------------------------------------------------------------------
-PARITY = [
-    "training.train_iters=20",
-    "parallel.fsdp_plan.param_dtype=fp32",
-    "parallel.fsdp_plan.reduce_dtype=fp32",
-    "data.synthetic_samples=64",
-    "training.lr=1e-3",
-    "training.log_interval=20",
-]
 LAYOUTS = {
     "1rank_micro1_acc8": (1, ["training.micro_batch_size=1", "training.gradient_accumulation_steps=8"]),
     "4rank_hsdp2_micro1_acc2": (
@@ -125,11 +80,6 @@ def parity_run(tmp_path_factory):
         return cache[layout, loss_type]
 
     return get
-
-
-def mean_relative_error(test: list[float], reference: list[float]) -> float:
-    assert len(test) == len(reference) == 20
-    return sum(abs(t - r) / (abs(r) + 1e-8) for t, r in zip(test, reference)) / len(reference)
 
 
 def assert_parity(test: tuple[list[float], list[float]], reference: tuple[list[float], list[float]]) -> None:
@@ -195,6 +145,10 @@ def test_start_up_log_names_data_and_threads_and_a_rerun_warns(tmp_path):
     assert f"CPU threads: {max(1, cores - 1)} per process ({cores} usable core(s), 1 process(es)" in first.stdout
     assert "| mem off | loss" in first.stdout  # the summary, like the step lines, says memory was not tracked
     assert "holds an earlier run" not in first.stdout + first.stderr
+    assert first.stdout.index("[plan moe]") < first.stdout.index("[plan fsdp]")  # the registry's order
+    assert "experts=grouped_mm" in first.stdout
+    balance = read_metrics(tmp_path / "run")[0]
+    assert balance["moe_load_max_over_mean"] >= 1.0 and balance["moe_load_cv"] >= 0.0
     again = train(tmp_path / "run", ["training.train_iters=3"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "CPU threads: 1 per process (OMP_NUM_THREADS=1)" in again.stdout

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import clean_env, read_metrics, train
 from safetensors.torch import load_file, save_file
-from test_train import clean_env, read_metrics, train
 from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.config import ModelConfig

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from glm45v_fsdp.config import ChunkLossConfig
-from glm45v_fsdp.data.vocab import IGNORE_INDEX, shift_labels
+from glm45v_fsdp.data.vocab import IGNORE_INDEX
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 FP32_BYTES = 4
@@ -97,26 +97,23 @@ def choose_chunk(cfg: ChunkLossConfig, rows: int, vocab: int) -> ChunkChoice:
 
 
 class ChunkedLossHead(nn.Linear):
-    """lm_head whose forward with labels returns (CE sum, supervised tokens) through the chunked loss.
+    """lm_head whose forward with targets returns (CE sum, supervised tokens) through the chunked loss.
 
-    Called as `lm_head(hidden, labels)` with labels aligned to the input ids (the one-token shift happens here), or
-    `lm_head(hidden, targets, shifted=True)` with the per-position targets (context parallelism shifts first).
-    `last_choice` holds the chunking of the last call, for the step metrics.
+    Called as `lm_head(hidden, targets)` with per-position targets (already shifted: position t predicts
+    targets[t]); `computes_loss` tells the model's loss to hand it the targets. `last_choice` holds the chunking of
+    the last call, for the step metrics.
     """
 
+    computes_loss = True
     chunk_config: ChunkLossConfig
     last_choice: ChunkChoice | None
 
-    def forward(  # type: ignore[override]
-        self, hidden: torch.Tensor, labels: torch.Tensor | None = None, shifted: bool = False
-    ):
-        if labels is None:
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None):  # type: ignore[override]
+        if targets is None:
             return super().forward(hidden)
-        if not shifted:
-            labels = shift_labels(labels)
-        supervised = labels.reshape(-1) != IGNORE_INDEX
+        supervised = targets.reshape(-1) != IGNORE_INDEX
         rows = hidden.reshape(-1, hidden.shape[-1])[supervised]
-        targets = labels.reshape(-1)[supervised]
+        targets = targets.reshape(-1)[supervised]
         choice = choose_chunk(self.chunk_config, rows.shape[0], self.weight.shape[0])
         self.last_choice = choice
         if choice.rows == 0:  # still a (zero) weight gradient, so every rank reduce-scatters the same tensors

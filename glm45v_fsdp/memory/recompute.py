@@ -9,8 +9,9 @@ recomputation runs in backward. Granularity:
     is the one op whose forward grows with tokens^2 while its outputs grow with tokens, so keeping them costs a few
     MiB per layer and spares backward the most expensive recomputation (at 8192 tokens on the tiny model: +21% time
     per step when attention is recomputed, ~0% when it is kept; peak memory -73% vs -69%; docs/memory.md);
-  - selective: the outputs of matrix multiplies, grouped expert GEMMs, attention kernels and the router's top-k are
-    kept, the cheap element-wise work (norms, activations, rotary) is recomputed.
+  - selective: the outputs of matrix multiplies, grouped expert GEMMs, attention kernels, the router's top-k and
+    context parallelism's all-to-alls are kept, the cheap element-wise work (norms, activations, rotary) is
+    recomputed. Full recompute runs the all-to-alls again in backward (they are part of the forward it replays).
 The router is deterministic (sigmoid scores + top-k, no sampling), so the recomputed forward routes every token to the
 same experts; the selective policy keeps the top-k result itself.
 """
@@ -56,13 +57,20 @@ ATTENTION_OPS = _existing_ops(
         ("flash_attn", "_flash_attn_varlen_forward"),
     ]
 )
-SAVED_IN_SELECTIVE = ATTENTION_OPS | {
-    _ATEN.mm.default,
-    _ATEN.addmm.default,
-    _ATEN.bmm.default,
-    _ATEN._grouped_mm.default,
-    _ATEN.topk.default,
-}
+# Context parallelism's exchanges (functional collectives): kept by selective recompute, so backward does not run
+# them again.
+COLLECTIVE_OPS = _existing_ops([("_c10d_functional", "all_to_all_single")])
+SAVED_IN_SELECTIVE = (
+    ATTENTION_OPS
+    | COLLECTIVE_OPS
+    | {
+        _ATEN.mm.default,
+        _ATEN.addmm.default,
+        _ATEN.bmm.default,
+        _ATEN._grouped_mm.default,
+        _ATEN.topk.default,
+    }
+)
 
 
 def _policy(saved: set[Any]) -> Callable[..., CheckpointPolicy]:
@@ -89,7 +97,7 @@ def kept_inside(cfg: RecomputeConfig) -> str:
     if cfg.use_reentrant:
         return "nothing (reentrant checkpoint)"
     if cfg.granularity == "selective":
-        return "matmul, grouped-GEMM, attention and router top-k outputs (selective)"
+        return "matmul, grouped-GEMM, attention, router top-k and all-to-all outputs (selective)"
     return "attention kernel outputs (full, keep_attention)" if cfg.keep_attention else "nothing (full)"
 
 

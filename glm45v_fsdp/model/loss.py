@@ -2,8 +2,12 @@
 
 A step enters through the root module (`Glm4vMoeForTraining.forward`), so FSDP2's root hooks run; inside, the loss
 calls `model.model.visual` first (always: on a dummy image when a micro batch has none), then `model.model` and
-`model.lm_head` (the chunked loss will need the hidden states). The vision tower thus runs outside `model.model`'s
-forward, so under FSDP2 it must be a unit of its own (REQUIRED_FSDP_UNITS), which the FSDP plan checks.
+`model.lm_head`. The vision tower thus runs outside `model.model`'s forward, so under FSDP2 it must be a unit of its
+own (REQUIRED_FSDP_UNITS), which the FSDP plan checks.
+
+Two seams let plans change the step without this module knowing them: the model's `sequence_layout` (how a sequence
+lies over the context-parallel ranks; `WholeSequence` here, a split one from the CP plan) and an lm_head that
+`computes_loss` itself (the chunked loss).
 """
 
 from __future__ import annotations
@@ -14,8 +18,6 @@ from torch import nn
 from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.data.vocab import IGNORE_INDEX, shift_labels
-from glm45v_fsdp.memory.chunk_loss import ChunkedLossHead
-from glm45v_fsdp.parallel.context import ContextParallel, gather_rows, image_owners, pad_to_multiple
 
 # Collated batch keys passed to Glm4vMoeModel.forward when present; bookkeeping keys are ignored.
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
@@ -47,10 +49,10 @@ def encode_images(model: nn.Module, batch: dict) -> object:
     """
     if batch.get("pixel_values") is not None:
         return model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"])
-    return _no_image_features(model, batch["input_ids"].device)
+    return no_image_features(model, batch["input_ids"].device)
 
 
-def _no_image_features(model: nn.Module, device: torch.device) -> object:
+def no_image_features(model: nn.Module, device: torch.device) -> object:
     """The vision tower run on a one-token dummy image, handing on an empty slice of its features."""
     vision = model.model.visual.config
     merge = vision.spatial_merge_size
@@ -61,63 +63,64 @@ def _no_image_features(model: nn.Module, device: torch.device) -> object:
     return outputs
 
 
-def encode_images_split(model: nn.Module, batch: dict, cp: ContextParallel) -> object:
-    """encode_images under context parallelism: each CP rank encodes a contiguous run of the micro batch's images
-    (balanced by patches; a rank without one runs the dummy image), and the features of all images are gathered
-    in order, so every rank merges the whole set into its copy of the embeddings."""
-    if batch.get("pixel_values") is None:
-        return _no_image_features(model, batch["input_ids"].device)
-    grid = batch["image_grid_thw"]
-    patches = grid.prod(-1).tolist()
-    owners = image_owners(patches, cp.size)
-    mine = [index for index, owner in enumerate(owners) if owner == cp.rank]
-    if mine:
-        first, end = mine[0], mine[-1] + 1
-        pixels = batch["pixel_values"][sum(patches[:first]) : sum(patches[:end])]
-        outputs = model.model.get_image_features(pixels, grid[first:end])
-    else:
-        outputs = _no_image_features(model, batch["input_ids"].device)
-    rows = torch.cat(outputs.pooler_output)
-    merged = model.model.visual.spatial_merge_size**2
-    counts = [sum(p // merged for p, owner in zip(patches, owners) if owner == rank) for rank in range(cp.size)]
-    outputs.pooler_output = (gather_rows(rows, counts, cp),)
-    return outputs
+class WholeSequence:
+    """The sequence layout without context parallelism: each rank holds whole sequences, so padding, splitting,
+    un-splitting and summing over the ranks of a sequence are all the identity. parallel/sequence.py holds the split
+    layout the CP plan installs instead (same methods)."""
+
+    size = 1
+
+    def pad(self, batch: dict) -> dict:
+        return batch
+
+    def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return tensor
+
+    def unshard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return tensor
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a figure each rank of the sequence computed on its slice (in place); here: the figure itself."""
+        return tensor
+
+    def encode_images(self, model: nn.Module, batch: dict) -> object:
+        return encode_images(model, batch)
+
+    def describe(self) -> str:
+        return "whole sequences on every rank"
 
 
-def causal_lm_loss_sum(
-    hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor, shifted: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of fp32 token cross-entropy, number of supervised tokens), position t predicting labels[:, t+1].
-
-    Same shift and ignore_index as transformers' ForCausalLMLoss; the last position of each row predicts nothing.
-    `shifted=True`: `labels` are already the per-position targets (context parallelism shifts before splitting).
-    A ChunkedLossHead (features.chunk_loss) computes the same sum chunk by chunk, through its own forward.
-    """
-    if isinstance(lm_head, ChunkedLossHead):
-        return lm_head(hidden, labels, shifted=shifted)
+def lm_loss_sum(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of fp32 token cross-entropy, number of supervised tokens) of `hidden` against per-position `targets`
+    (already shifted: position t predicts targets[t]; IGNORE_INDEX is unsupervised). An lm_head that
+    `computes_loss` (the chunked loss) computes the same sum itself, inside its own forward."""
+    if getattr(lm_head, "computes_loss", False):
+        return lm_head(hidden, targets)
     logits = lm_head(hidden).float()
-    targets = (labels if shifted else shift_labels(labels)).to(logits.device)
+    targets = targets.to(logits.device)
     loss_sum = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return loss_sum, (targets != IGNORE_INDEX).sum()
 
 
-def model_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """encode_images + forward_hidden + causal_lm_loss_sum with the model's lm_head.
+def causal_lm_loss_sum(
+    hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """lm_loss_sum with labels aligned to the input ids: position t predicts labels[:, t+1], as transformers'
+    ForCausalLMLoss (same shift and ignore_index; the last position of each row predicts nothing)."""
+    return lm_loss_sum(hidden, lm_head, shift_labels(labels))
 
-    Under context parallelism (`model.context_parallel`, set by the CP plan) the batch is padded to a multiple of the
-    CP size, the hidden state and the shifted labels are this rank's slice, and the returned token count is the
-    whole micro batch's, so every CP rank normalises its partial CE sum by the same (unsplit) count.
-    """
-    cp = getattr(model, "context_parallel", None)
-    if cp is None:
-        hidden = forward_hidden(model, batch, encode_images(model, batch))
-        return causal_lm_loss_sum(hidden, model.lm_head, batch["labels"])
-    batch = pad_to_multiple(batch, cp.size, model.config.text_config.pad_token_id or 0)
-    hidden = forward_hidden(model, batch, encode_images_split(model, batch, cp))
+
+def model_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training forward: (CE sum of this rank's part of the micro batch, supervised tokens of the whole micro
+    batch). The labels are shifted on the whole (padded) sequence before the layout takes this rank's part, and the
+    count is the unsplit one, so every rank of a split sequence normalises its partial sum by the same number."""
+    layout = model.sequence_layout
+    batch = layout.pad(batch)
+    hidden = forward_hidden(model, batch, layout.encode_images(model, batch))
     targets = shift_labels(batch["labels"])
-    loss_sum, _ = causal_lm_loss_sum(hidden, model.lm_head, cp.local(targets, dim=1), shifted=True)
+    loss_sum, _ = lm_loss_sum(hidden, model.lm_head, layout.shard(targets, dim=1))
     return loss_sum, (targets != IGNORE_INDEX).sum()
 
 
@@ -127,6 +130,8 @@ class Glm4vMoeForTraining(Glm4vMoeForConditionalGeneration):
     Same modules and parameter names as the parent, so checkpoints and state dicts are interchangeable; only
     `forward` differs. Calling the root module keeps FSDP2's root logic (lazy init, root hooks) on the normal path.
     """
+
+    sequence_layout: WholeSequence = WholeSequence()
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         return model_loss_sum(self, batch)

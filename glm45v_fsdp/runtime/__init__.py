@@ -1,5 +1,5 @@
 """Runtime layer: device selection (npu / cuda / cpu), launcher environments and the process group, the device
-mesh, seeding and deterministic mode, and the per-step peak-memory meter.
+meshes, seeding and deterministic mode, and the per-step peak-memory meter.
 
 See docs/runtime.md for which launcher variable maps to which field and what is unverified on NPU hardware.
 """
@@ -14,7 +14,7 @@ from glm45v_fsdp.runtime.dist import (
     shutdown,
 )
 from glm45v_fsdp.runtime.memory import MemoryMeter
-from glm45v_fsdp.runtime.mesh import ParallelDims, build_device_mesh, build_parallel_dims, flattened_mesh, fsdp_mesh
+from glm45v_fsdp.runtime.mesh import ParallelDims, ParallelMeshes, build_parallel_dims
 from glm45v_fsdp.runtime.seed import set_deterministic, set_seed
 
 __all__ = [
@@ -22,12 +22,10 @@ __all__ = [
     "DistEnv",
     "MemoryMeter",
     "ParallelDims",
-    "build_device_mesh",
+    "ParallelMeshes",
     "build_parallel_dims",
     "detect_dist_env",
     "expand_slurm_nodelist",
-    "flattened_mesh",
-    "fsdp_mesh",
     "init_distributed",
     "launcher_rank",
     "select_device",

@@ -37,7 +37,7 @@ from typing import Any
 from glm45v_fsdp.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PARITY_LIMIT = 1e-5  # mean relative loss error of an exact transformation in fp32 (DESIGN.md, Numerics)
+PARITY_LIMIT = 1e-5  # mean relative loss error of an exact transformation in fp32 (docs/memory.md)
 OFFLOAD_KEY = "features.activation_offload.enabled"
 
 CHUNK_SHAPE = "chunk"  # --vocab on the model's own layer count

@@ -2,11 +2,12 @@
 
 `python -m glm45v_fsdp.tools.preflight --config C [--world-size N] [--device-memory-gib G] [--json] [key=value ...]`
 
-Loads the config, validates the layout for N ranks, builds the model on the meta device, applies every plan's
-patterns in build order and prints each pattern's match count. A pattern that matches nothing, a missing required
-FSDP unit or an impossible layout is an error (exit 2, each problem named). With --world-size it also prints each
-rank's memory: exact bytes of parameters, gradients and AdamW states under FSDP2 sharding, and estimates of the
-transient unsharded copies and the activations (glm45v_fsdp.tools.estimate; docs/tools.md).
+Loads the config, validates the layout for N ranks, builds the model on the meta device, applies every plan of the
+registry (glm45v_fsdp/plans.py) as a dry run in build order and prints what each does and each pattern's match
+count. A pattern that matches nothing, a missing required FSDP unit or an impossible layout is an error (exit 2, each
+problem named). With --world-size it also prints each rank's memory: exact bytes of parameters, gradients and AdamW
+states under FSDP2 sharding, and estimates of the transient unsharded copies and the activations
+(glm45v_fsdp.tools.estimate; docs/tools.md).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable
 
 from PIL import Image
 from torch import nn
@@ -24,13 +24,13 @@ from torch import nn
 from glm45v_fsdp.config import Config, load_config
 from glm45v_fsdp.data import load_image_processor
 from glm45v_fsdp.data.processor import process_images
-from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.errors import ConfigError, UserError
 from glm45v_fsdp.memory.chunk_loss import choose_chunk
-from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, build_meta_model, describe_model, load_hf_config
-from glm45v_fsdp.parallel.context import LANGUAGE_MODEL, check_context_parallel
-from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp
-from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
-from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims
+from glm45v_fsdp.model import build_meta_model, describe_model, load_hf_config
+from glm45v_fsdp.parallel.fsdp import DTYPES
+from glm45v_fsdp.parallel.plan import PlanMatch
+from glm45v_fsdp.plans import PLANS, PlanContext, enabled_plans
+from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims, select_device
 from glm45v_fsdp.tools.estimate import (
     ACTIVATION_FORMULA,
     activation_bytes,
@@ -41,57 +41,6 @@ from glm45v_fsdp.tools.estimate import (
 
 EXIT_USER_ERROR = 2
 GIB = 1 << 30
-
-
-class _PlanOnlyMesh:
-    """Stands in for the FSDP mesh: on a one-rank mesh apply_fsdp matches and checks the plan but shards nothing."""
-
-    def size(self) -> int:
-        return 1
-
-
-def _freeze_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
-    return apply_freeze(model, config.model.freeze) if config.model.freeze else []
-
-
-def _recompute_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
-    recompute = config.features.recompute
-    key = "features.recompute.apply_modules"
-    return match_modules(model, recompute.apply_modules, key) if recompute.enabled else []
-
-
-def _offload_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
-    offload = config.features.activation_offload
-    key = "features.activation_offload.apply_modules"
-    return match_modules(model, offload.apply_modules, key) if offload.enabled else []
-
-
-def _chunk_loss_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
-    return match_modules(model, ["lm_head"], "features.chunk_loss") if config.features.chunk_loss.mode != "off" else []
-
-
-def _context_parallel_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
-    ulysses = config.parallel.ulysses_parallel_size
-    if ulysses == 1:
-        return []
-    check_context_parallel(model.config, ulysses, config.model.attn_implementation)
-    return match_modules(model, [LANGUAGE_MODEL], "parallel.ulysses_parallel_size")
-
-
-def _fsdp_plan(model: nn.Module, config: Config) -> list[PlanMatch]:
-    plan = dataclasses.replace(config.parallel.fsdp_plan, cpu_offload=False)
-    return apply_fsdp(model, plan, _PlanOnlyMesh(), pin_memory=False, required_units=REQUIRED_FSDP_UNITS)
-
-
-# (plan, config key, check) in the order builders.build_model applies them; each later plan adds one line here.
-PLANS: tuple[tuple[str, str, Callable[[nn.Module, Config], list[PlanMatch]]], ...] = (
-    ("freeze", "model.freeze", _freeze_plan),
-    ("recompute", "features.recompute.enabled", _recompute_plan),
-    ("activation_offload", "features.activation_offload.enabled", _offload_plan),
-    ("chunk_loss", "features.chunk_loss.mode", _chunk_loss_plan),
-    ("context_parallel", "parallel.ulysses_parallel_size", _context_parallel_plan),
-    ("fsdp", "parallel.fsdp_plan.apply_modules", _fsdp_plan),
-)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -126,14 +75,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def check_plans(model: nn.Module, config: Config) -> tuple[dict[str, list[PlanMatch]], list[str]]:
-    """Apply every plan in order, on to the end; returns ({plan: matches} of the plans that passed, [errors])."""
+def minimal_dims(config: Config) -> ParallelDims:
+    """The smallest layout the config's parallel sizes allow (dp_shard = ep): what the plans are checked against when
+    no --world-size is given."""
+    p = config.parallel
+    cp = p.ulysses_parallel_size * p.ring_attention_size
+    return build_parallel_dims(p, p.data_parallel_replicate_size * cp * p.expert_parallel_size)
+
+
+def check_plans(
+    model: nn.Module, config: Config, dims: ParallelDims, hf_config
+) -> tuple[dict[str, list[PlanMatch]], list[str]]:
+    """Apply every enabled plan of the registry as a dry run, in order, on to the end; returns ({plan: matches} of
+    the plans that ran and passed, [errors])."""
+    context = PlanContext(config, dims, hf_config, select_device("cpu"))
     matched, errors = {}, []
-    for name, _, check in PLANS:
+    for plan in enabled_plans(config, dims, hf_config):
         try:
-            matched[name] = check(model, config)
-        except UserError as error:
-            errors.append(f"[plan {name}] {error}")
+            matched[plan.name] = plan.apply(model, context)
+        except ConfigError as error:
+            errors.append(f"[plan {plan.name}] {error}")
     return matched, errors
 
 
@@ -248,20 +209,27 @@ def build_report(args: argparse.Namespace) -> dict:
             errors.append(f"[layout] {error}")
     hf_config = load_hf_config(config.model)
     model = build_meta_model(hf_config)
-    matched, plan_errors = check_plans(model, config)
+    plan_dims = dims if dims is not None else minimal_dims(config)
+    matched, plan_errors = check_plans(model, config, plan_dims, hf_config)
     errors += plan_errors
-    plans = [
-        {
-            "plan": name,
-            "key": key,
-            "patterns": {m.pattern: len(m.names) for m in matched[name]} if name in matched else None,
-        }
-        for name, key, _ in PLANS
-    ]
+    plans = []
+    for plan in PLANS:
+        enabled = plan.enabled(config, plan_dims, hf_config)
+        plans.append(
+            {
+                "plan": plan.name,
+                "key": plan.key,
+                "enabled": enabled,
+                "describe": plan.describe(config, plan_dims, hf_config) if enabled else None,
+                "patterns": {m.pattern: len(m.names) for m in matched[plan.name]} if plan.name in matched else None,
+            }
+        )
     report = {
         "config": args.config,
         "world_size": args.world_size,
-        "layout": dataclasses.asdict(dims) | {"cp": dims.cp, "fsdp_size": dims.fsdp_size} if dims else None,
+        "layout": dataclasses.asdict(dims) | {"cp": dims.cp, "fsdp_size": dims.fsdp_size, "efsdp": dims.efsdp}
+        if dims
+        else None,
         "model": describe_model(model, hf_config),
         "plans": plans,
         "errors": errors,
@@ -299,16 +267,18 @@ def format_report(report: dict) -> str:
     if layout:
         lines.append(
             f"layout: world {layout['world_size']} = dp_replicate {layout['dp_replicate']} x dp_shard "
-            f"{layout['dp_shard']} x cp {layout['cp']}; FSDP mesh {layout['fsdp_size']} ranks, ep {layout['ep']}"
+            f"{layout['dp_shard']} x cp_ring {layout['cp_ring']} x cp_ulysses {layout['cp_ulysses']}; FSDP mesh "
+            f"{layout['fsdp_size']} ranks = efsdp {layout['efsdp']} x ep {layout['ep']}"
         )
     lines.append("plans (matched on the meta device, in build order):")
     for plan in report["plans"]:
-        if plan["patterns"] is None:
-            lines.append(f"  [plan {plan['plan']}] FAILED ({plan['key']}): see the error")
-        elif not plan["patterns"]:
+        if not plan["enabled"]:
             lines.append(f"  [plan {plan['plan']}] not applied ({plan['key']}: empty or off)")
+        elif plan["patterns"] is None:
+            lines.append(f"  [plan {plan['plan']}] FAILED ({plan['key']}): see the error")
         else:
-            lines.append(f"  [plan {plan['plan']}] {len(plan['patterns'])} pattern(s) ({plan['key']})")
+            count = f"{len(plan['patterns'])} pattern(s) " if plan["patterns"] else ""
+            lines.append(f"  [plan {plan['plan']}] {count}({plan['key']}): {plan['describe']}")
             lines += [f"    {pattern}: {count} module(s)" for pattern, count in plan["patterns"].items()]
     memory = report["memory"]
     if memory:

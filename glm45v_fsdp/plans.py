@@ -1,0 +1,316 @@
+"""The plan registry: every feature applied to the meta-device model, in one fixed order, from one list.
+
+    moe -> freeze -> recompute -> activation_offload -> chunk_loss -> context_parallel -> fsdp -> weights
+
+`builders.build_model` applies them for real; `tools.preflight` applies them as a dry run (no process group: the
+patterns are matched and checked, nothing distributed is set up) and the memory estimate reads the same list. A new
+feature (expert parallelism, Ring attention) is one new row here. Each plan says whether it is on for a config and a
+layout (`enabled`), applies itself (`apply`, returning what its patterns matched; a pattern that matches nothing is an
+error) and says in one line what it does (`describe`).
+
+`moe` comes first because it gives the model its structure (our MoE block in place of transformers'), so every later
+plan's patterns see the modules that will run; `weights` comes last: the sharded meta model is materialised on the
+device and, for training.load of HF or weights-only DCP files, loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMoE
+
+from glm45v_fsdp.checkpoint.dcp import load_checkpoint, resolve_load
+from glm45v_fsdp.checkpoint.hf import load_hf_weights
+from glm45v_fsdp.checkpoint.layout import KeyDiff, describe_diff
+from glm45v_fsdp.config import Config
+from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.memory.chunk_loss import apply_chunk_loss
+from glm45v_fsdp.memory.offload import apply_activation_offload, describe_offload
+from glm45v_fsdp.memory.recompute import apply_recompute, kept_inside
+from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, materialize
+from glm45v_fsdp.model.moe import MoEBlock
+from glm45v_fsdp.parallel.context import LANGUAGE_MODEL, Ulysses, apply_context_parallel, check_context_parallel
+from glm45v_fsdp.parallel.fsdp import apply_fsdp, is_sharded
+from glm45v_fsdp.parallel.plan import PlanMatch, format_matches, match_modules
+from glm45v_fsdp.parallel.sequence import SplitSequence
+from glm45v_fsdp.runtime import DeviceLayer, ParallelDims, ParallelMeshes
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What the plans apply against. `meshes` None: a dry run (preflight) on the meta model, no process group."""
+
+    config: Config
+    dims: ParallelDims
+    hf_config: object
+    device: DeviceLayer
+    meshes: ParallelMeshes | None = None
+    torch_device: torch.device = torch.device("cpu")
+
+    @property
+    def dry(self) -> bool:
+        return self.meshes is None
+
+
+class Plan:
+    name: str
+    key: str  # the config key that switches the plan or holds its patterns
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        raise NotImplementedError
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        raise NotImplementedError
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        raise NotImplementedError
+
+
+def _moe_layers(hf_config: object) -> range:
+    text = hf_config.text_config
+    return range(min(text.first_k_dense_replace, text.num_hidden_layers), text.num_hidden_layers)
+
+
+class MoEPlan(Plan):
+    name, key = "moe", "model (its MoE layers)"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return len(_moe_layers(hf_config)) > 0
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        layers = _moe_layers(ctx.hf_config)
+        pattern = f"{LANGUAGE_MODEL}.layers.{{{layers.start}-{layers.stop - 1}}}.mlp"
+        matches = match_modules(model, [pattern], self.key)
+        kernel = "grouped_mm" if ctx.device.has_grouped_mm() else "loop"
+        for name in matches[0].names:
+            parent_name, _, attribute = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            assert isinstance(getattr(parent, attribute), Glm4vMoeTextMoE), f"{name} is not transformers' MoE block"
+            with torch.device("meta"):
+                block = MoEBlock(ctx.hf_config.text_config)
+            block.experts.kernel = kernel
+            setattr(parent, attribute, block)
+        return matches
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        text = hf_config.text_config
+        return (
+            f"our MoE block in {len(_moe_layers(hf_config))} layer(s): fp32 router (top-{text.num_experts_per_tok} of "
+            f"{text.n_routed_experts}), local dispatcher, grouped experts, fp32 combine, shared expert"
+        )
+
+
+class FreezePlan(Plan):
+    name, key = "freeze", "model.freeze"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return bool(config.model.freeze)
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        return apply_freeze(model, ctx.config.model.freeze)
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        return "requires_grad=False on every parameter of the matched modules"
+
+
+class RecomputePlan(Plan):
+    name, key = "recompute", "features.recompute.enabled"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return config.features.recompute.enabled
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        return apply_recompute(model, ctx.config.features.recompute)
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        return f"recompute keeps each module's inputs and {kept_inside(config.features.recompute)}"
+
+
+class ActivationOffloadPlan(Plan):
+    name, key = "activation_offload", "features.activation_offload.enabled"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return config.features.activation_offload.enabled
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        offload = ctx.config.features.activation_offload
+        if not ctx.dry:
+            get_logger().info(describe_offload(offload, ctx.device))
+        return apply_activation_offload(model, offload, ctx.device)
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        offload = config.features.activation_offload
+        return f"saved activations of at least {offload.min_tensor_bytes} bytes wait in host memory until backward"
+
+
+class ChunkLossPlan(Plan):
+    name, key = "chunk_loss", "features.chunk_loss.mode"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return config.features.chunk_loss.mode != "off"
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        return apply_chunk_loss(model, ctx.config.features.chunk_loss)
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        return f"lm_head + cross-entropy chunk by chunk ({config.features.chunk_loss.mode})"
+
+
+class ContextParallelPlan(Plan):
+    name, key = "context_parallel", "parallel.ulysses_parallel_size"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return dims.cp_enabled
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        kernel = ctx.config.model.attn_implementation
+        check_context_parallel(ctx.hf_config, ctx.dims.cp_ulysses, kernel)
+        if ctx.dry:
+            return match_modules(model, [LANGUAGE_MODEL], self.key)
+        meshes = ctx.meshes
+        pad_token_id = ctx.hf_config.text_config.pad_token_id or 0
+        layout = SplitSequence(meshes.cp.get_group(), ctx.dims.cp, meshes.cp.get_local_rank(), pad_token_id)
+        ulysses = Ulysses(meshes.cp_ulysses.get_group(), ctx.dims.cp_ulysses, kernel)
+        matches = apply_context_parallel(model, layout, ulysses)
+        get_logger().info(ulysses.describe())
+        return matches
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        return (
+            f"each sequence split over {dims.cp} ranks; attention exchanges heads <-> sequence over "
+            f"{dims.cp_ulysses} (Ulysses, kernel {config.model.attn_implementation})"
+        )
+
+
+class _PlanOnlyMesh:
+    """Stands in for the FSDP mesh in a dry run: on a one-rank mesh apply_fsdp matches and checks the plan but
+    shards nothing."""
+
+    def size(self) -> int:
+        return 1
+
+
+class FsdpPlan(Plan):
+    name, key = "fsdp", "parallel.fsdp_plan.apply_modules"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return True
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        plan = ctx.config.parallel.fsdp_plan
+        if ctx.dry:
+            plan = dataclasses.replace(plan, cpu_offload=False)
+            return apply_fsdp(model, plan, _PlanOnlyMesh(), pin_memory=False, required_units=REQUIRED_FSDP_UNITS)
+        matches = apply_fsdp(
+            model,
+            plan,
+            ctx.meshes.dense_shard,
+            pin_memory=ctx.device.type != "cpu",
+            required_units=REQUIRED_FSDP_UNITS,
+        )
+        if not is_sharded(model):
+            get_logger().info(
+                "[plan fsdp] not applied: the FSDP mesh has one rank, so there is nothing to shard; modules stay "
+                "plain and param_dtype=%s runs %s",
+                plan.param_dtype,
+                "under autocast" if plan.param_dtype != "fp32" else "as is",
+            )
+        return matches
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        plan = config.parallel.fsdp_plan
+        where = f"{dims.fsdp_size} rank(s)" + (f", replicated {dims.dp_replicate}x (HSDP)" if dims.hsdp_enabled else "")
+        return f"fully_shard each matched module, then the root, over {where}; compute {plan.param_dtype}"
+
+
+class WeightsPlan(Plan):
+    name, key = "weights", "training.load"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return True
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        if ctx.dry:
+            return []
+        config, log = ctx.config, get_logger()
+        offloaded = is_sharded(model) and config.parallel.fsdp_plan.cpu_offload
+        # FSDP2's CPU offload wants the sharded parameters on the host; buffers (rotary tables) compute on the device.
+        materialize(model, torch.device("cpu") if offloaded else ctx.torch_device, config.training.seed)
+        if offloaded:
+            _move_buffers(model, ctx.torch_device)
+        source = resolve_load(config.training)
+        if source is None:
+            log.info("weights: initialised from scratch (seed %d); no checkpoint was loaded", config.training.seed)
+        elif source.format == "hf":
+            _load_hf(model, source.path, config.training.load_strict)
+        elif source.format == "dcp-weights":
+            diff = load_checkpoint(model, None, source.path, strict=config.training.load_strict)
+            log.info("weights: loaded from weights-only DCP checkpoint %s (training starts at step 0)", source.path)
+            if not diff.ok:
+                log.warning("weights: not loaded (training.load_strict=false): %s", describe_diff(diff))
+        else:
+            log.info("weights: restored from DCP checkpoint %s once the optimizer is built (resume)", source.path)
+        return []
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        load = config.training.load
+        return f"materialise on the device, then load {load}" if load else "materialise, initialised from the seed"
+
+
+def _load_hf(model: nn.Module, directory: Path, strict: bool) -> None:
+    """Load HF safetensors weights (this rank's slices) into the materialised model and log what was read."""
+    report = load_hf_weights(model, directory, strict=strict)
+    get_logger().info(
+        "weights: loaded from HF checkpoint %s (source %s): %d file(s), %d tensor(s), %.1f MiB read on this rank, "
+        "expert layout %s",
+        directory,
+        report.source,
+        report.files,
+        report.tensors_read,
+        report.bytes_read / 2**20,
+        report.expert_layout,
+    )
+    leftovers = KeyDiff(report.missing, report.unexpected, report.mismatched)
+    if not leftovers.ok:
+        get_logger().warning(
+            "weights: not loaded (training.load_strict=false; these keep their initial values): %s",
+            describe_diff(leftovers),
+        )
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
+
+
+PLANS: tuple[Plan, ...] = (
+    MoEPlan(),
+    FreezePlan(),
+    RecomputePlan(),
+    ActivationOffloadPlan(),
+    ChunkLossPlan(),
+    ContextParallelPlan(),
+    FsdpPlan(),
+    WeightsPlan(),
+)
+
+
+def enabled_plans(config: Config, dims: ParallelDims, hf_config: object) -> Iterator[Plan]:
+    return (plan for plan in PLANS if plan.enabled(config, dims, hf_config))
+
+
+def apply_plans(model: nn.Module, ctx: PlanContext) -> dict[str, list[PlanMatch]]:
+    """Apply every enabled plan in order and log what each matched; returns {plan name: matches}."""
+    log = get_logger()
+    matched: dict[str, list[PlanMatch]] = {}
+    for plan in enabled_plans(ctx.config, ctx.dims, ctx.hf_config):
+        matched[plan.name] = plan.apply(model, ctx)
+        if matched[plan.name]:
+            log.info(format_matches(plan.name, matched[plan.name]))
+    return matched
