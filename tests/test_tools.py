@@ -22,8 +22,11 @@ from glm45v_fsdp.config import ModelConfig, load_config
 from glm45v_fsdp.data import build_dataset, build_image_processor, build_tiny_tokenizer, collate
 from glm45v_fsdp.data.dump import MODEL_KEYS, BatchDumper, dump_path
 from glm45v_fsdp.model import build_meta_model, load_hf_config, materialize, model_loss_sum
+from glm45v_fsdp.plans import MoEPlan, PlanContext
+from glm45v_fsdp.runtime import select_device
 from glm45v_fsdp.tools import compare_batches, preflight
 from glm45v_fsdp.tools.estimate import activation_bytes, shard_rows
+from glm45v_fsdp.tools.preflight import minimal_dims
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_106B = str(REPO / "configs" / "glm45v_106b_sft.yaml")
@@ -228,6 +231,8 @@ def _tiny_data(hf_config, **overrides):
 def test_activation_formula_matches_saved_tensors_of_a_bf16_forward():
     hf_config = load_hf_config(ModelConfig())
     model = build_meta_model(hf_config)
+    config = load_config()
+    MoEPlan().apply(model, PlanContext(config, minimal_dims(config), hf_config, select_device("cpu")))  # our block
     materialize(model, torch.device("cpu"), 0)
     model.to(torch.bfloat16)  # what FSDP2's param_dtype=bf16 computes with
     dataset, pad = _tiny_data(hf_config, synthetic_text_tokens=300, synthetic_image_size=112)

@@ -124,6 +124,32 @@ class Dispatched:
     num_tokens: int
 
 
+class _WeightedCombine(torch.autograd.Function):
+    """out[t] = sum over the pairs p of token t of weight[p] * rows[p], accumulated in fp32, returned in the rows'
+    dtype. Saves the rows in their own dtype (autograd's product of bf16 rows and fp32 weights would keep an fp32
+    copy of every row: 4h bytes per (token, expert) pair)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, token_index: torch.Tensor, num_tokens: int):
+        ctx.save_for_backward(rows, weights, token_index)
+        combined = rows.new_zeros(num_tokens, rows.shape[-1], dtype=torch.float32)
+        return combined.index_add_(0, token_index, rows.float() * weights[:, None]).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, weights, token_index = ctx.saved_tensors
+        grad_rows = grad[token_index].float()
+        grad_weights = (grad_rows * rows.float()).sum(-1) if ctx.needs_input_grad[1] else None
+        return (grad_rows * weights[:, None]).to(rows.dtype), grad_weights, None, None
+
+
+def weighted_combine(
+    rows: torch.Tensor, weights: torch.Tensor, token_index: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Each pair's expert output weighted by its routing weight, summed per token in fp32 (`_WeightedCombine`)."""
+    return _WeightedCombine.apply(rows, weights, token_index, num_tokens)
+
+
 class TokenDispatcher(Protocol):
     def dispatch(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> Dispatched: ...
 
@@ -147,9 +173,7 @@ class LocalDispatcher:
         return Dispatched(hidden[token_index], counts, token_index, weights.t().reshape(-1)[order], num_tokens)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        weighted = expert_out * dispatched.weights[:, None]  # fp32: the weights are
-        combined = weighted.new_zeros(dispatched.num_tokens, weighted.shape[-1], dtype=torch.float32)
-        return combined.index_add_(0, dispatched.token_index, weighted.float()).to(expert_out.dtype)
+        return weighted_combine(expert_out, dispatched.weights, dispatched.token_index, dispatched.num_tokens)
 
     def describe(self) -> str:
         return f"local (all {self.num_experts} experts on every rank)"
