@@ -29,7 +29,7 @@ from glm45v_fsdp.checkpoint.hf import load_hf_weights
 from glm45v_fsdp.checkpoint.layout import KeyDiff, describe_diff
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.log import get_logger
-from glm45v_fsdp.memory.chunk_loss import apply_chunk_loss
+from glm45v_fsdp.memory.chunk_loss import apply_chunk_loss, choose_chunk
 from glm45v_fsdp.memory.offload import apply_activation_offload, describe_offload
 from glm45v_fsdp.memory.recompute import apply_recompute, kept_inside
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, materialize
@@ -39,6 +39,7 @@ from glm45v_fsdp.parallel.fsdp import apply_fsdp, is_sharded
 from glm45v_fsdp.parallel.plan import PlanMatch, format_matches, match_modules
 from glm45v_fsdp.parallel.sequence import SplitSequence
 from glm45v_fsdp.runtime import DeviceLayer, ParallelDims, ParallelMeshes
+from glm45v_fsdp.tools.estimate import ActivationEstimate, loss_peak_bytes
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,21 @@ class Plan:
 
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
         raise NotImplementedError
+
+    def estimate(
+        self, estimate: ActivationEstimate, config: Config, dims: ParallelDims, hf_config: object, matches: list
+    ) -> None:
+        """Adjust preflight's activation estimate the way this plan changes memory (most plans do not)."""
+
+
+def _names(matches: list[PlanMatch]) -> list[str]:
+    """The matched module names in the order the training forward calls them: the vision tower, then the layers."""
+    return sorted({name for match in matches for name in match.names}, key=_call_order)
+
+
+def _call_order(name: str) -> tuple:
+    parts = tuple(int(part) if part.isdigit() else part for part in name.split("."))
+    return (not name.startswith("model.visual"), parts)
 
 
 def _moe_layers(hf_config: object) -> range:
@@ -130,6 +146,13 @@ class RecomputePlan(Plan):
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
         return f"recompute keeps each module's inputs and {kept_inside(config.features.recompute)}"
 
+    def estimate(
+        self, estimate: ActivationEstimate, config: Config, dims: ParallelDims, hf_config: object, matches: list
+    ) -> None:
+        cfg = config.features.recompute
+        keep_attention = cfg.keep_attention and not cfg.use_reentrant
+        estimate.apply_recompute(cfg.granularity, keep_attention, _names(matches), hf_config)
+
 
 class ActivationOffloadPlan(Plan):
     name, key = "activation_offload", "features.activation_offload.enabled"
@@ -147,6 +170,11 @@ class ActivationOffloadPlan(Plan):
         offload = config.features.activation_offload
         return f"saved activations of at least {offload.min_tensor_bytes} bytes wait in host memory until backward"
 
+    def estimate(
+        self, estimate: ActivationEstimate, config: Config, dims: ParallelDims, hf_config: object, matches: list
+    ) -> None:
+        estimate.apply_offload(_names(matches), config.features.activation_offload.min_tensor_bytes, hf_config)
+
 
 class ChunkLossPlan(Plan):
     name, key = "chunk_loss", "features.chunk_loss.mode"
@@ -159,6 +187,14 @@ class ChunkLossPlan(Plan):
 
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
         return f"lm_head + cross-entropy chunk by chunk ({config.features.chunk_loss.mode})"
+
+    def estimate(
+        self, estimate: ActivationEstimate, config: Config, dims: ParallelDims, hf_config: object, matches: list
+    ) -> None:
+        tokens, vocab = estimate.base.tokens, hf_config.text_config.vocab_size
+        rows = choose_chunk(config.features.chunk_loss, tokens, vocab).chunk_size
+        estimate.loss_peak = loss_peak_bytes(hf_config, tokens, estimate.compute_itemsize, rows)
+        estimate.loss_note = f"chunked loss ({config.features.chunk_loss.mode}): one chunk of {rows} rows"
 
 
 class ContextParallelPlan(Plan):
@@ -185,6 +221,14 @@ class ContextParallelPlan(Plan):
             f"each sequence split over {dims.cp} ranks; attention exchanges heads <-> sequence over "
             f"{dims.cp_ulysses} (Ulysses, kernel {config.model.attn_implementation})"
         )
+
+    def estimate(
+        self, estimate: ActivationEstimate, config: Config, dims: ParallelDims, hf_config: object, matches: list
+    ) -> None:
+        """The tokens and images are already per rank (preflight divides them); what every CP rank still holds in
+        full is the merged input embeddings of the whole sequence."""
+        full = estimate.base.tokens * dims.cp * hf_config.text_config.hidden_size * estimate.compute_itemsize
+        estimate.add_term("context parallel: whole sequence", full, f"input embeddings of all {dims.cp} ranks' tokens")
 
 
 class _PlanOnlyMesh:

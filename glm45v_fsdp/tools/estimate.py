@@ -15,7 +15,7 @@ Estimated:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -188,23 +188,71 @@ fragmentation."""
 
 
 @dataclass(frozen=True)
-class Activations:
-    tokens: int
-    image_patches: int
-    dense_layer: int
-    moe_layer: int
-    decoder_layers: int
-    vision: int
-    text_other: int
-    loss_peak: int
+class Saved:
+    """What one module saves for backward, by who keeps it under recompute: its `inputs` (what every recompute keeps;
+    not saved without recompute), the attention kernels' outputs and log-sum-exp (`attention`: kept by full recompute
+    with keep_attention, and by selective), the matmul / grouped-GEMM / router outputs (`matmul`: kept by
+    selective) and the rest (`elementwise`: norms, rotary, activations, products, gathers, casts)."""
+
+    inputs: int
+    attention: int
+    matmul: int
+    elementwise: int
 
     @property
     def total(self) -> int:
-        return self.decoder_layers + self.vision + self.text_other + self.loss_peak
+        """Without recompute."""
+        return self.attention + self.matmul + self.elementwise
+
+    def kept(self, granularity: str, keep_attention: bool) -> int:
+        """Under recompute: what stays between forward and backward."""
+        if granularity == "selective":
+            return self.inputs + self.attention + self.matmul
+        return self.inputs + (self.attention if keep_attention else 0)
+
+    def recomputed(self, granularity: str, keep_attention: bool) -> int:
+        """Under recompute: what its backward holds again while it runs (the workspace of one module)."""
+        return self.total + self.inputs - self.kept(granularity, keep_attention)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """ACTIVATION_FORMULA's parts: per module kind, one module's `Saved` and how many there are."""
+
+    tokens: int
+    image_patches: int
+    dense_layer: Saved
+    moe_layer: Saved
+    vision_block: Saved
+    counts: dict[str, int]  # "dense_layer" / "moe_layer" / "vision_block" -> modules of that kind
+    vision_other: int
+    text_other: int
+    loss_peak: int
+
+    def modules(self) -> dict[str, Saved]:
+        return {"dense_layer": self.dense_layer, "moe_layer": self.moe_layer, "vision_block": self.vision_block}
+
+    @property
+    def total(self) -> int:
+        layers = sum(self.counts[kind] * saved.total for kind, saved in self.modules().items())
+        return layers + self.vision_other + self.text_other + self.loss_peak
 
 
 def _norm(tokens: int, width: int, b: int) -> int:
     return tokens * (4 * width + 4 + b * width)
+
+
+def loss_peak_bytes(hf_config, tokens: int, compute_itemsize: int, chunk_rows: int | None) -> int:
+    """The loss's peak: full-logits cross-entropy, or one chunk of the chunked loss (`chunk_rows` rows)."""
+    t = hf_config.text_config
+    if chunk_rows is None:
+        return 3 * tokens * t.vocab_size * FP32
+    # one chunk's fp32 logits + a temporary of that size, fp32 weight copy and gradient, hidden-state gradient
+    return (
+        2 * chunk_rows * t.vocab_size * FP32
+        + 2 * t.vocab_size * t.hidden_size * FP32
+        + tokens * t.hidden_size * (compute_itemsize)
+    )
 
 
 def activation_bytes(
@@ -217,33 +265,53 @@ def activation_bytes(
     h, a, g = t.hidden_size, t.num_attention_heads, t.num_key_value_heads
     d = getattr(t, "head_dim", h // a)
     fp32_copy = 4 * h if b < FP32 else 0  # `.to(float32)` of an fp32 tensor is the tensor itself
-    attention = s * (b * (h + 3 * a * d + 2 * g * d) + 4 * a)
-    dense_mlp = s * b * (h + 4 * t.intermediate_size)
-    experts, k = t.n_routed_experts, t.num_experts_per_tok
-    router = fp32_copy + 9 * experts + 16 * t.n_group + 8 * t.topk_group + 12 * k + 4
-    shared = b * (h + 4 * t.moe_intermediate_size * t.n_shared_experts)
-    routed = b * (2 * h + 4 * t.moe_intermediate_size) + 28
-    moe = s * (router + shared) + s * k * routed + 4 * experts
     norms = 2 * _norm(s, h, b)
-    dense_layer, moe_layer = norms + attention + dense_mlp, norms + attention + moe
+    # attention: kernel output + lse | q, k, v projections | input (norm output) and the output's contiguous copy
+    attention, attention_mm, attention_rest = s * (b * a * d + 4 * a), s * b * (a * d + 2 * g * d), s * b * (h + a * d)
+    intermediate, expert, k, experts = (
+        t.intermediate_size,
+        t.moe_intermediate_size,
+        t.num_experts_per_tok,
+        t.n_routed_experts,
+    )
+    shared = expert * t.n_shared_experts
+    router = 9 * experts + 16 * t.n_group + 8 * t.topk_group + 12 * k + 4  # logits, scores, group top-k, ids, weights
+    dense_layer = Saved(
+        inputs=s * h * b,
+        attention=attention,
+        matmul=attention_mm + s * b * 2 * intermediate,  # gate, up
+        elementwise=norms + attention_rest + s * b * (h + 2 * intermediate),  # input, act(gate), act x up
+    )
+    moe_layer = Saved(
+        inputs=s * h * b,
+        attention=attention,
+        # router; shared gate, up; per (token, expert) pair: gate_up and expert output (grouped GEMMs)
+        matmul=attention_mm + s * router + s * b * 2 * shared + s * k * b * (2 * expert + h) + 4 * experts,
+        # fp32 router input; shared input, act, product; per pair: gathered input, act, product, ids and weight
+        elementwise=norms
+        + attention_rest
+        + s * (fp32_copy + b * (h + 2 * shared))
+        + s * k * (b * (h + 2 * expert) + 28),
+    )
     n_dense = min(t.first_k_dense_replace, t.num_hidden_layers)
     rotary = int(d * t.rope_parameters.get("partial_rotary_factor", 1.0))
     text_other = s * (8 + 2 * b * rotary + b * h + 8) + _norm(s, h, b)
-    if chunk_rows is None:
-        loss_peak = 3 * s * t.vocab_size * FP32
-    else:  # one chunk's fp32 logits + a temporary of that size, fp32 weight copy and gradient, hidden-state gradient
-        loss_peak = 2 * chunk_rows * t.vocab_size * FP32 + 2 * t.vocab_size * h * FP32 + s * h * b
 
     p, hv, out = image_patches, v.hidden_size, v.out_hidden_size
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
     merged = p // v.spatial_merge_size**2
-    block = 2 * _norm(p, hv, b) + p * (b * 8 * hv + 4 * v.num_heads) + p * b * (hv + 4 * out)
+    vision_block = Saved(
+        inputs=p * hv * b,
+        attention=p * (b * hv + 4 * v.num_heads),
+        matmul=p * b * (3 * hv + 2 * out),  # qkv; MLP gate, up
+        # norms; input, rotated q, k, output copy; MLP input, act, product
+        elementwise=2 * _norm(p, hv, b) + p * b * 4 * hv + p * b * (hv + 2 * out),
+    )
     position_table = (v.image_size // v.patch_size) ** 2 * hv * FP32
-    vision = (
+    vision_other = (
         p * b * patch_dim
         + 2 * _norm(p, hv, b)
         + p * (8 + 2 * FP32 * (hv // v.num_heads) + b * hv)
-        + v.depth * block
         + merged * (b * (4 * out + 4 * v.intermediate_size) + 2 * b)
         + (position_table if p else 0)
     )
@@ -252,8 +320,126 @@ def activation_bytes(
         image_patches=p,
         dense_layer=dense_layer,
         moe_layer=moe_layer,
-        decoder_layers=n_dense * dense_layer + (t.num_hidden_layers - n_dense) * moe_layer,
-        vision=vision,
+        vision_block=vision_block,
+        counts={"dense_layer": n_dense, "moe_layer": t.num_hidden_layers - n_dense, "vision_block": v.depth},
+        vision_other=vision_other,
         text_other=text_other,
-        loss_peak=loss_peak,
+        loss_peak=loss_peak_bytes(hf_config, s, b, chunk_rows),
     )
+
+
+MODULE_KINDS = {
+    "dense_layer": "decoder layer (dense MLP)",
+    "moe_layer": "decoder layer (MoE)",
+    "vision_block": "vision block",
+}
+
+
+def module_kind(name: str, hf_config) -> str | None:
+    """Which kind of module of the estimate a module name is (None: not one of the three)."""
+    parts = name.split(".")
+    if name.startswith("model.language_model.layers.") and len(parts) == 4:
+        dense = int(parts[3]) < hf_config.text_config.first_k_dense_replace
+        return "dense_layer" if dense else "moe_layer"
+    if name.startswith("model.visual.blocks.") and len(parts) == 4:
+        return "vision_block"
+    return None
+
+
+@dataclass
+class ActivationEstimate:
+    """The activation estimate as named terms, adjusted by each plan that is on (`plans.Plan.estimate`).
+
+    Starts from ACTIVATION_FORMULA (no recompute, no offload); the recompute plan replaces the matched modules'
+    saved tensors by what it keeps plus one module's recomputation workspace, the offload plan moves the saved
+    tensors of all but the last two matched modules to the host, the chunked loss and context parallelism change
+    the loss peak and the tokens."""
+
+    base: Activations
+    compute_itemsize: int
+    loss_peak: int = -1  # the base's, unless a plan (the chunked loss) changes it
+    loss_note: str = "full-logits cross-entropy: log-probs, their gradient and the logits' gradient"
+    recompute: tuple[str, bool] | None = None  # (granularity, keep_attention)
+    recomputed: dict[str, int] = field(default_factory=dict)  # kind -> modules recomputed
+    workspace: int = 0
+    offloaded_bytes: int = 0
+    offload_note: str = ""
+    extra_terms: list[tuple[str, int, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.loss_peak < 0:
+            self.loss_peak = self.base.loss_peak
+
+    def apply_recompute(self, granularity: str, keep_attention: bool, matched: list[str], hf_config) -> None:
+        self.recompute = (granularity, keep_attention)
+        for name in matched:
+            kind = module_kind(name, hf_config)
+            if kind is not None:
+                self.recomputed[kind] = self.recomputed.get(kind, 0) + 1
+        modules = self.base.modules()
+        self.workspace = max(
+            (modules[kind].recomputed(granularity, keep_attention) for kind in self.recomputed), default=0
+        )
+
+    def apply_offload(self, matched: list[str], min_tensor_bytes: int, hf_config) -> None:
+        """Saved tensors of the matched modules (in call order) go to the host, except those of the last module
+        before backward: at the start of backward all but that one module's worth is off the device (later, each
+        module's tensors come back one module ahead of its backward while the finished ones are freed). A module's
+        tensors count when its hidden-state-sized tensor reaches min_tensor_bytes. Call after apply_recompute (the
+        registry's order)."""
+        kinds = [kind for kind in (module_kind(name, hf_config) for name in matched) if kind is not None]
+        width = {
+            "vision_block": self.base.image_patches * hf_config.vision_config.hidden_size,
+            "dense_layer": self.base.tokens * hf_config.text_config.hidden_size,
+            "moe_layer": self.base.tokens * hf_config.text_config.hidden_size,
+        }
+        remaining = dict(self.recomputed)
+        per_module = []
+        for kind in kinds:  # model order: vision blocks, then decoder layers
+            recomputed = remaining.get(kind, 0) > 0
+            remaining[kind] = remaining.get(kind, 0) - 1
+            eligible = width[kind] * self.compute_itemsize >= min_tensor_bytes
+            # a recomputed module's kept outputs sit in the checkpoint's own cache, out of the hooks' reach: only its
+            # inputs move
+            moved = self.base.modules()[kind].inputs if recomputed else self.base.modules()[kind].total
+            per_module.append(moved if eligible else 0)
+        self.offloaded_bytes = sum(per_module[:-1])
+        self.offload_note = f"{len(per_module)} module(s), all but the last leave the device"
+
+    def add_term(self, name: str, nbytes: int, how: str) -> None:
+        self.extra_terms.append((name, nbytes, how))
+
+    def terms(self) -> list[tuple[str, int, str]]:
+        """(name, bytes, how) of every part; they add up to `total`."""
+        rows = []
+        for kind, saved in self.base.modules().items():
+            count = self.base.counts[kind]
+            recomputed = min(self.recomputed.get(kind, 0), count)
+            if recomputed:
+                granularity, keep_attention = self.recompute
+                what = "inputs + attention outputs" if granularity == "full" and keep_attention else "inputs"
+                what = "inputs + attention + matmul outputs" if granularity == "selective" else what
+                rows.append(
+                    (
+                        f"{MODULE_KINDS[kind]} x {recomputed}, recomputed",
+                        recomputed * saved.kept(granularity, keep_attention),
+                        f"keeps {what} ({granularity} recompute)",
+                    )
+                )
+            if count - recomputed:
+                rows.append(
+                    (f"{MODULE_KINDS[kind]} x {count - recomputed}", (count - recomputed) * saved.total, "saved")
+                )
+        if self.workspace:
+            rows.append(("recompute workspace", self.workspace, "one module's recomputed activations in its backward"))
+        rows.append(("vision tower other", self.base.vision_other, "patch embedding, merger, position table"))
+        rows.append(("text other", self.base.text_other, "ids, rotary, final norm, lm_head input, labels"))
+        rows.append(("loss peak", self.loss_peak, self.loss_note))
+        rows.extend(self.extra_terms)
+        if self.offloaded_bytes:
+            rows.append(("offloaded to host", -self.offloaded_bytes, self.offload_note))
+        return rows
+
+    @property
+    def total(self) -> int:
+        return sum(nbytes for _, nbytes, _ in self.terms())

@@ -25,7 +25,6 @@ from glm45v_fsdp.config import Config, load_config
 from glm45v_fsdp.data import load_image_processor
 from glm45v_fsdp.data.processor import process_images
 from glm45v_fsdp.errors import ConfigError, UserError
-from glm45v_fsdp.memory.chunk_loss import choose_chunk
 from glm45v_fsdp.model import build_meta_model, describe_model, load_hf_config
 from glm45v_fsdp.parallel.fsdp import DTYPES
 from glm45v_fsdp.parallel.plan import PlanMatch
@@ -33,6 +32,7 @@ from glm45v_fsdp.plans import PLANS, PlanContext, enabled_plans
 from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims, select_device
 from glm45v_fsdp.tools.estimate import (
     ACTIVATION_FORMULA,
+    ActivationEstimate,
     activation_bytes,
     param_specs,
     state_bytes,
@@ -98,8 +98,11 @@ def check_plans(
     return matched, errors
 
 
-def image_patches(config: Config, hf_config, images_per_sample: int | None, image_size: int | None) -> tuple[int, str]:
-    """Patches per micro batch for the activation estimate, and how they were derived.
+def image_patches(
+    config: Config, hf_config, images_per_sample: int | None, image_size: int | None, cp: int = 1
+) -> tuple[int, str]:
+    """Patches per micro batch and rank for the activation estimate, and how they were derived. Under context
+    parallelism the images are split over the `cp` ranks (whole images, so a rank encodes ceil(images / cp)).
 
     Defaults: the synthetic data's images; for JSON data one image per sample of the vision config's image_size.
     """
@@ -116,11 +119,27 @@ def image_patches(config: Config, hf_config, images_per_sample: int | None, imag
     patches = int(grid.prod())
     tokens = patches // vision.spatial_merge_size**2
     kept = min(images, config.data.cutoff_len // (tokens + 2))  # an image block never gets cut: it is dropped
+    per_micro_batch = kept * config.training.micro_batch_size
+    per_rank = -(-per_micro_batch // cp)
     text = (
         f"{kept} image(s) of {size}x{size} px per sample -> {patches} patches ({tokens} tokens) each, "
         f"x micro_batch_size {config.training.micro_batch_size}"
+        + (f", split over cp {cp}: {per_rank} image(s) per rank" if cp > 1 else "")
     )
-    return kept * patches * config.training.micro_batch_size, text
+    return per_rank * patches, text
+
+
+def activation_estimate(
+    config: Config, hf_config, dims: ParallelDims, matched: dict[str, list[PlanMatch]], patches: int
+) -> ActivationEstimate:
+    """ACTIVATION_FORMULA for s tokens and `patches` image patches per rank, then every enabled plan's effect on it,
+    in the registry's order (recompute, offload, chunk loss, context parallelism)."""
+    tokens = config.training.micro_batch_size * config.data.cutoff_len // dims.cp  # context parallelism splits it
+    compute = DTYPES[config.parallel.fsdp_plan.param_dtype].itemsize
+    estimate = ActivationEstimate(activation_bytes(hf_config, tokens, patches, compute), compute)
+    for plan in enabled_plans(config, dims, hf_config):
+        plan.estimate(estimate, config, dims, hf_config, matched.get(plan.name, []))
+    return estimate
 
 
 def memory_report(
@@ -128,16 +147,17 @@ def memory_report(
     hf_config,
     config: Config,
     dims: ParallelDims,
-    fsdp_units: list[str],
+    matched: dict[str, list[PlanMatch]],
     device_memory_gib: float = 64.0,
     images_per_sample: int | None = None,
     image_size: int | None = None,
 ) -> dict:
     """Per-rank memory (bytes) of `dims.world_size` ranks, min/max over ranks and the assumptions behind it.
 
-    `model` is the meta model after every plan but FSDP (freeze decides what is trainable); `fsdp_units` are the
-    module names the FSDP plan matched.
+    `model` is the meta model after every plan but FSDP (freeze decides what is trainable); `matched` is what each
+    plan's patterns matched (the FSDP units among them).
     """
+    fsdp_units = sorted({name for match in matched["fsdp"] for name in match.names})
     plan = config.parallel.fsdp_plan
     sharded = dims.world_size > 1 or plan.cpu_offload
     shard_size = dims.fsdp_size if sharded else 1
@@ -145,13 +165,9 @@ def memory_report(
     specs = param_specs(model, fsdp_units)
     compute, reduce = DTYPES[plan.param_dtype].itemsize, DTYPES[plan.reduce_dtype].itemsize
     transient = transient_bytes(specs, shard_size, sharded, compute, reduce, plan.reshard_after_forward)
-    patches, image_text = image_patches(config, hf_config, images_per_sample, image_size)
-    tokens = config.training.micro_batch_size * config.data.cutoff_len // dims.cp  # context parallelism splits it
-    chunking = config.features.chunk_loss
-    chunk_rows = (
-        None if chunking.mode == "off" else choose_chunk(chunking, tokens, hf_config.text_config.vocab_size).chunk_size
-    )
-    acts = activation_bytes(hf_config, tokens, patches, compute, chunk_rows)
+    patches, image_text = image_patches(config, hf_config, images_per_sample, image_size, dims.cp)
+    acts = activation_estimate(config, hf_config, dims, matched, patches)
+    tokens = acts.base.tokens
     per_index = [state_bytes(specs, shard_size, index, sharded) for index in range(shard_size)]
     ranks = []
     for rank in range(dims.world_size):
@@ -166,7 +182,7 @@ def memory_report(
                 "padding": state.padding,
                 "transient": transient.total,
                 "activations": acts.total,
-                "host": host,
+                "host": host + acts.offloaded_bytes,
                 "total": state.total - host + transient.total + acts.total,
             }
         )
@@ -181,7 +197,12 @@ def memory_report(
         "per_rank": ranks,
         "min": {k: min(r[k] for r in ranks) for k in keys},
         "max": {k: max(r[k] for r in ranks) for k in keys},
-        "activations": dataclasses.asdict(acts) | {"total": acts.total},
+        "activations": {
+            "terms": [{"name": name, "bytes": nbytes, "how": how} for name, nbytes, how in acts.terms()],
+            "loss_peak": acts.loss_peak,
+            "offloaded": acts.offloaded_bytes,
+            "total": acts.total,
+        },
         "transient": {"params": transient.params, "grads": transient.grads, "assumption": transient.assumption},
         "device_memory_bytes": limit,
         "fits": worst <= limit,
@@ -236,9 +257,8 @@ def build_report(args: argparse.Namespace) -> dict:
         "memory": None,
     }
     if dims is not None and "fsdp" in matched:
-        units = sorted({name for match in matched["fsdp"] for name in match.names})
         report["memory"] = memory_report(
-            model, hf_config, config, dims, units, args.device_memory_gib, args.images_per_sample, args.image_size
+            model, hf_config, config, dims, matched, args.device_memory_gib, args.images_per_sample, args.image_size
         )
     report["seconds"] = round(time.perf_counter() - started, 2)
     return report
@@ -304,17 +324,14 @@ def _format_memory(memory: dict, report: dict) -> list[str]:
     for key, label in (*ROWS, ("total", "total on the device")):
         values = memory["min"][key], memory["max"][key], rank0[key]
         lines.append(f"  {label:44}" + "".join(f"{v / scale:10.2f}" for v in values))
-    if memory["cpu_offload"]:
+    if memory["max"]["host"]:
         values = memory["min"]["host"], memory["max"]["host"], rank0["host"]
-        lines.append(
-            f"  {'rows 1-4 live on the host (cpu_offload)':44}" + "".join(f"{v / scale:10.2f}" for v in values)
-        )
-    acts = {key: value / scale for key, value in memory["activations"].items()}
-    lines.append(
-        f"  activations: decoder layers {acts['decoder_layers']:.2f} (dense layer {acts['dense_layer']:.3f}, MoE "
-        f"layer {acts['moe_layer']:.3f}), vision {acts['vision']:.2f}, text other {acts['text_other']:.2f}, loss "
-        f"peak {acts['loss_peak']:.2f}"
-    )
+        what = "rows 1-4 (cpu_offload)" if memory["cpu_offload"] else ""
+        what += (" + " if what else "") + "offloaded activations" if memory["activations"]["offloaded"] else ""
+        lines.append(f"  {'on the host: ' + what:44}" + "".join(f"{v / scale:10.2f}" for v in values))
+    lines.append("  activations, by term (each plan that is on adjusts them):")
+    for term in memory["activations"]["terms"]:
+        lines.append(f"    {term['name']:44}{term['bytes'] / scale:10.2f}  {term['how']}")
     verdict = "fits" if memory["fits"] else "does NOT fit"
     lines.append(
         f"  device memory {memory['device_memory_bytes'] / GIB:g} GiB: {verdict} "
