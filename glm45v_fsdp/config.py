@@ -34,6 +34,10 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     # Module patterns whose parameters get requires_grad=False, e.g. model.visual.blocks.{*}.
     freeze: list[str] = field(default_factory=list)
+    # Test and benchmark knob (keep 0 for real training): adds router_skew x (E-1-e)/(E-1) to expert e's selection
+    # score, so the low-numbered experts (and the EP ranks that own them) get most tokens. Routing weights are
+    # unchanged; only which experts are chosen.
+    router_skew: float = 0.0
 
 
 @dataclass
@@ -73,12 +77,23 @@ class FsdpPlanConfig:
 
 
 @dataclass
+class EpPlanConfig:
+    # Module patterns of the MoE experts split over the ep ranks (each must be our MoE block's `experts`).
+    apply_modules: list[str] = field(default_factory=lambda: ["model.language_model.layers.{*}.mlp.experts"])
+    # alltoall: send each (token, expert) pair to the rank owning the expert, variable-size all-to-all both ways;
+    # allgather: every rank gathers all tokens of its EP group, runs its own experts, reduce-scatters the sum.
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+
+
+@dataclass
 class ParallelConfig:
     # World = dp_replicate x dp_shard x cp; dp_shard is derived from the world size.
     data_parallel_replicate_size: int = 1
     ulysses_parallel_size: int = 1
     ring_attention_size: int = 1
+    # Ranks the routed experts are split over (E/ep whole experts each); divides dp_shard x cp and the expert count.
     expert_parallel_size: int = 1
+    ep_plan: EpPlanConfig = field(default_factory=EpPlanConfig)
     fsdp_plan: FsdpPlanConfig = field(default_factory=FsdpPlanConfig)
 
 
@@ -120,12 +135,27 @@ class ActivationOffloadConfig:
 
 
 @dataclass
+class EpBalanceConfig:
+    """Even the EP ranks' token load by running the hottest experts' surplus tokens on replicas (alltoall only)."""
+
+    enabled: bool = False
+    # Replica slots per rank and MoE layer: experts a rank may run for their owners in one forward.
+    max_dup_experts_num: int = 1
+    # Balance a layer's forward only when its busiest rank's load exceeds the mean by this factor; below it the
+    # forward runs exactly as without balance (nothing copied). Re-planned every forward from its own counts.
+    trigger_max_over_mean: float = 1.1
+    # Stop moving tokens once the busiest rank is within this factor of the mean.
+    target_max_over_mean: float = 1.02
+
+
+@dataclass
 class FeaturesConfig:
     """Memory and speed switches."""
 
     chunk_loss: ChunkLossConfig = field(default_factory=ChunkLossConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     activation_offload: ActivationOffloadConfig = field(default_factory=ActivationOffloadConfig)
+    ep_balance: EpBalanceConfig = field(default_factory=EpBalanceConfig)
 
 
 @dataclass
@@ -588,12 +618,40 @@ def validate(config: Config) -> None:
                 )
     for key in ("data_parallel_replicate_size", "ulysses_parallel_size", "ring_attention_size", "expert_parallel_size"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "an integer >= 1")
-    for key, what in (("ring_attention_size", "Ring attention"), ("expert_parallel_size", "expert parallelism")):
-        if getattr(p, key) != 1:
+    if p.ring_attention_size != 1:
+        raise ConfigError(
+            f"Config key 'parallel.ring_attention_size' = {p.ring_attention_size} is not supported by this version "
+            f"yet: Ring attention is not implemented (context parallelism is available as "
+            f"parallel.ulysses_parallel_size). Set parallel.ring_attention_size=1."
+        )
+    _require(bool(p.ep_plan.apply_modules), "parallel.ep_plan.apply_modules", [], "a non-empty list of patterns")
+    _require(config.model.router_skew >= 0, "model.router_skew", config.model.router_skew, ">= 0")
+    balance = config.features.ep_balance
+    if balance.enabled:
+        _require(
+            balance.max_dup_experts_num >= 1,
+            "features.ep_balance.max_dup_experts_num",
+            balance.max_dup_experts_num,
+            "an integer >= 1",
+        )
+        _require(
+            balance.target_max_over_mean >= 1,
+            "features.ep_balance.target_max_over_mean",
+            balance.target_max_over_mean,
+            ">= 1.0",
+        )
+        _require(
+            balance.trigger_max_over_mean >= balance.target_max_over_mean,
+            "features.ep_balance.trigger_max_over_mean",
+            balance.trigger_max_over_mean,
+            f">= features.ep_balance.target_max_over_mean ({balance.target_max_over_mean})",
+        )
+        if p.expert_parallel_size == 1 or p.ep_plan.dispatcher != "alltoall":
             raise ConfigError(
-                f"Config key 'parallel.{key}' = {getattr(p, key)} is not supported by this version yet: {what} is "
-                f"not implemented (context parallelism is available as parallel.ulysses_parallel_size). Set "
-                f"parallel.{key}=1."
+                f"Config key 'features.ep_balance.enabled' = true needs expert parallelism with the alltoall "
+                f"dispatcher (parallel.expert_parallel_size = {p.expert_parallel_size}, parallel.ep_plan.dispatcher "
+                f"= {p.ep_plan.dispatcher!r}): balance moves tokens between the ranks of an EP group. Set "
+                f"parallel.expert_parallel_size > 1 with dispatcher=alltoall, or features.ep_balance.enabled=false."
             )
     _require(bool(p.fsdp_plan.apply_modules), "parallel.fsdp_plan.apply_modules", [], "a non-empty list of patterns")
     chunk = config.features.chunk_loss

@@ -1,12 +1,13 @@
 """The plan registry: every feature applied to the meta-device model, in one fixed order, from one list.
 
-    moe -> freeze -> recompute -> activation_offload -> chunk_loss -> context_parallel -> fsdp -> weights
+    moe -> freeze -> recompute -> activation_offload -> chunk_loss -> expert_parallel -> context_parallel -> fsdp
+        -> weights
 
 `builders.build_model` applies them for real; `tools.preflight` applies them as a dry run (no process group: the
 patterns are matched and checked, nothing distributed is set up) and the memory estimate reads the same list. A new
 feature (expert parallelism, Ring attention) is one new row here. Each plan says whether it is on for a config and a
 layout (`enabled`), applies itself (`apply`, returning what its patterns matched; a pattern that matches nothing is an
-error) and says in one line what it does (`describe`).
+error), says in one line what it does (`describe`) and how it changes preflight's memory figures (`estimate`).
 
 `moe` comes first because it gives the model its structure (our MoE block in place of transformers'), so every later
 plan's patterns see the modules that will run; `weights` comes last: the sharded meta model is materialised on the
@@ -35,6 +36,7 @@ from glm45v_fsdp.memory.recompute import apply_recompute, kept_inside
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, materialize
 from glm45v_fsdp.model.moe import MoEBlock
 from glm45v_fsdp.parallel.context import LANGUAGE_MODEL, Ulysses, apply_context_parallel, check_context_parallel
+from glm45v_fsdp.parallel.expert import apply_expert_parallel, check_expert_parallel, expert_sharded_modules
 from glm45v_fsdp.parallel.fsdp import apply_fsdp, is_sharded
 from glm45v_fsdp.parallel.plan import PlanMatch, format_matches, match_modules
 from glm45v_fsdp.parallel.sequence import SplitSequence
@@ -110,6 +112,7 @@ class MoEPlan(Plan):
             with torch.device("meta"):
                 block = MoEBlock(ctx.hf_config.text_config)
             block.experts.kernel = kernel
+            block.gate.skew = ctx.config.model.router_skew
             setattr(parent, attribute, block)
         return matches
 
@@ -197,6 +200,52 @@ class ChunkLossPlan(Plan):
         estimate.loss_note = f"chunked loss ({config.features.chunk_loss.mode}): one chunk of {rows} rows"
 
 
+class ExpertParallelPlan(Plan):
+    name, key = "expert_parallel", "parallel.expert_parallel_size"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return dims.ep_enabled
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        check_expert_parallel(ctx.hf_config, ctx.dims.ep)
+        ep_plan, balance = ctx.config.parallel.ep_plan, ctx.config.features.ep_balance
+        matches = apply_expert_parallel(
+            model,
+            ep_plan.apply_modules,
+            ep_plan.dispatcher,
+            balance if balance.enabled else None,
+            None if ctx.dry else ctx.meshes.ep,
+        )
+        if not ctx.dry:
+            get_logger().info("expert parallel: %s", self.describe(ctx.config, ctx.dims, ctx.hf_config))
+        return matches
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        experts = hf_config.text_config.n_routed_experts
+        balance = config.features.ep_balance
+        return (
+            f"routed experts split over {dims.ep} ranks ({experts // dims.ep} of {experts} each, sharded over "
+            f"{dims.efsdp} efsdp rank(s)), {config.parallel.ep_plan.dispatcher} dispatch"
+            + (f", balance up to {balance.max_dup_experts_num} replica(s)/rank" if balance.enabled else "")
+        )
+
+    def estimate(
+        self, estimate: ActivationEstimate, config: Config, dims: ParallelDims, hf_config: object, matches: list
+    ) -> None:
+        """Dispatch buffers: the pairs sent, received, regrouped and returned, each [tokens x top-k, hidden]."""
+        text = hf_config.text_config
+        pairs = estimate.base.tokens * text.num_experts_per_tok
+        if config.parallel.ep_plan.dispatcher == "allgather":
+            pairs = estimate.base.tokens * dims.ep * (1 + text.num_experts_per_tok / dims.ep)
+        layers = len(_moe_layers(hf_config))
+        per_layer = pairs * text.hidden_size * estimate.compute_itemsize
+        estimate.add_term(
+            "expert parallel: dispatch buffers",
+            per_layer * 2,
+            f"pairs held for backward in one MoE layer's exchange ({layers} layers; transient peak of one layer)",
+        )
+
+
 class ContextParallelPlan(Plan):
     name, key = "context_parallel", "parallel.ulysses_parallel_size"
 
@@ -256,6 +305,8 @@ class FsdpPlan(Plan):
             ctx.meshes.dense_shard,
             pin_memory=ctx.device.type != "cpu",
             required_units=REQUIRED_FSDP_UNITS,
+            expert_units=expert_sharded_modules(model),
+            expert_mesh=ctx.meshes.expert_shard,
         )
         if not is_sharded(model):
             get_logger().info(
@@ -269,7 +320,8 @@ class FsdpPlan(Plan):
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
         plan = config.parallel.fsdp_plan
         where = f"{dims.fsdp_size} rank(s)" + (f", replicated {dims.dp_replicate}x (HSDP)" if dims.hsdp_enabled else "")
-        return f"fully_shard each matched module, then the root, over {where}; compute {plan.param_dtype}"
+        experts = f"; expert stacks (dim 1) over {dims.efsdp} efsdp rank(s)" if dims.ep_enabled else ""
+        return f"fully_shard each matched module, then the root, over {where}{experts}; compute {plan.param_dtype}"
 
 
 class WeightsPlan(Plan):
@@ -339,6 +391,7 @@ PLANS: tuple[Plan, ...] = (
     RecomputePlan(),
     ActivationOffloadPlan(),
     ChunkLossPlan(),
+    ExpertParallelPlan(),
     ContextParallelPlan(),
     FsdpPlan(),
     WeightsPlan(),

@@ -36,6 +36,7 @@ from glm45v_fsdp.metrics import (
 )
 from glm45v_fsdp.model.moe import moe_blocks, moe_load_metrics
 from glm45v_fsdp.optim import OptimizerRecipe, build_optimizer, build_scheduler, recipe_from_training
+from glm45v_fsdp.parallel.expert import balance_metrics
 from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
 from glm45v_fsdp.runtime import MemoryMeter
 from glm45v_fsdp.step import OptimizerStep, StepOutcome
@@ -342,6 +343,7 @@ class Trainer:
                 **self._offload_metrics(),
                 **self._loss_scale_metrics(),
                 **moe_load_metrics(self.moe_blocks, self.runtime.torch_device),
+                **balance_metrics(self.moe_blocks),
             },
         )
         self.records.append(record)

@@ -59,7 +59,13 @@ ATTENTION_OPS = _existing_ops(
 )
 # Context parallelism's exchanges (functional collectives): kept by selective recompute, so backward does not run
 # them again.
-COLLECTIVE_OPS = _existing_ops([("_c10d_functional", "all_to_all_single")])
+COLLECTIVE_OPS = _existing_ops(
+    [
+        ("_c10d_functional", "all_to_all_single"),
+        ("_c10d_functional", "all_gather_into_tensor"),
+        ("_c10d_functional", "reduce_scatter_tensor"),
+    ]
+)
 SAVED_IN_SELECTIVE = (
     ATTENTION_OPS
     | COLLECTIVE_OPS

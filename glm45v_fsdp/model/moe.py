@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers.activations import ACT2FN
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMLP
 
@@ -50,11 +51,18 @@ class MoERouter(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
+        self.skew = 0.0  # model.router_skew: a test knob that favours the low-numbered experts in the selection
+
+    def selection_skew(self, device: torch.device) -> torch.Tensor:
+        """skew x (E-1-e)/(E-1) for expert e: added to the selection scores only, never to the routing weights."""
+        return self.skew * torch.linspace(1.0, 0.0, self.num_experts, device=device)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = F.linear(hidden.type(torch.float32), self.weight.type(torch.float32))
         scores = logits.sigmoid()
         biased = scores + self.e_score_correction_bias
+        if self.skew:
+            biased = biased + self.selection_skew(biased.device)
         per_group = self.num_experts // self.num_groups
         group_scores = biased.view(-1, self.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
         top_groups = torch.topk(group_scores, k=self.top_groups, dim=-1, sorted=False)[1]
@@ -86,8 +94,19 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class ExtraExperts(Protocol):
+    """Experts a forward runs beyond this rank's own (EP balance's replicas): `run` computes the own experts with
+    `compute` on the first rows and the extra ones on the rest."""
+
+    def run(self, compute, rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor): ...
+
+
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored stacked; `forward(rows, counts)` runs expert e on its `counts[e]` contiguous rows."""
+    """E SwiGLU experts stored stacked; `forward(rows, counts)` runs expert e on its `counts[e]` contiguous rows.
+
+    Under expert parallelism the two stacks are DTensors sharded on dim 0 over the ep ranks: forward runs this
+    rank's E/ep experts (plus, with EP balance, the replicas `extra` brings).
+    """
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -99,18 +118,37 @@ class GroupedExperts(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
         self.kernel = "loop"  # the MoE plan picks grouped_mm where the device runs it
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, extra: ExtraExperts | None = None) -> torch.Tensor:
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        if extra is not None:
+            return extra.run(self.compute, rows, counts, gate_up, down)
+        return self.compute(rows, counts, gate_up, down)
+
+    def compute(
+        self, rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    ) -> torch.Tensor:
+        """Expert e of the stacks (gate_up [n, 2I, H], down [n, H, I]) on its counts[e] contiguous rows."""
+        assert counts.numel() == gate_up.shape[0], f"{counts.numel()} row counts for {gate_up.shape[0]} experts"
         if self.kernel == "grouped_mm":
             ends = counts.cumsum(0).to(torch.int32)
-            gate, up = _grouped_mm(rows, self.gate_up_proj, ends).chunk(2, dim=-1)
-            return _grouped_mm(self.act_fn(gate) * up, self.down_proj, ends)
+            gate, up = _grouped_mm(rows, gate_up, ends).chunk(2, dim=-1)
+            return _grouped_mm(self.act_fn(gate) * up, down, ends)
         outputs, start = [], 0
         for expert, count in enumerate(counts.tolist()):
             if count:
-                gate, up = F.linear(rows[start : start + count], self.gate_up_proj[expert]).chunk(2, dim=-1)
-                outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[expert]))
+                gate, up = F.linear(rows[start : start + count], gate_up[expert]).chunk(2, dim=-1)
+                outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
                 start += count
-        return torch.cat(outputs) if outputs else rows.new_zeros(0, self.down_proj.shape[1])
+        if not outputs:  # no row here (an EP rank whose experts got no pair): still reach the weights, so every
+            # rank's backward yields a (zero) gradient and FSDP's reduce-scatter runs on all of them alike
+            gate, up = F.linear(rows, gate_up[0]).chunk(2, dim=-1)
+            return F.linear(self.act_fn(gate) * up, down[0])
+        return torch.cat(outputs)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: the local shard of an EP-sharded stack (FSDP has gathered the efsdp dim)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 @dataclass
@@ -122,6 +160,8 @@ class Dispatched:
     token_index: torch.Tensor  # [S]: the token each row belongs to
     weights: torch.Tensor  # [S]: each row's routing weight (fp32)
     num_tokens: int
+    extra: ExtraExperts | None = None  # replicas run here besides the own experts (EP balance)
+    context: object = None  # what the dispatcher itself keeps for combine
 
 
 class _WeightedCombine(torch.autograd.Function):
@@ -130,24 +170,28 @@ class _WeightedCombine(torch.autograd.Function):
     copy of every row: 4h bytes per (token, expert) pair)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, token_index: torch.Tensor, num_tokens: int):
+    def forward(
+        ctx, rows: torch.Tensor, weights: torch.Tensor, token_index: torch.Tensor, num_tokens: int, keep_fp32: bool
+    ):
         ctx.save_for_backward(rows, weights, token_index)
         combined = rows.new_zeros(num_tokens, rows.shape[-1], dtype=torch.float32)
-        return combined.index_add_(0, token_index, rows.float() * weights[:, None]).to(rows.dtype)
+        combined.index_add_(0, token_index, rows.float() * weights[:, None])
+        return combined if keep_fp32 else combined.to(rows.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         rows, weights, token_index = ctx.saved_tensors
         grad_rows = grad[token_index].float()
         grad_weights = (grad_rows * rows.float()).sum(-1) if ctx.needs_input_grad[1] else None
-        return (grad_rows * weights[:, None]).to(rows.dtype), grad_weights, None, None
+        return (grad_rows * weights[:, None]).to(rows.dtype), grad_weights, None, None, None
 
 
 def weighted_combine(
-    rows: torch.Tensor, weights: torch.Tensor, token_index: torch.Tensor, num_tokens: int
+    rows: torch.Tensor, weights: torch.Tensor, token_index: torch.Tensor, num_tokens: int, keep_fp32: bool = False
 ) -> torch.Tensor:
-    """Each pair's expert output weighted by its routing weight, summed per token in fp32 (`_WeightedCombine`)."""
-    return _WeightedCombine.apply(rows, weights, token_index, num_tokens)
+    """Each pair's expert output weighted by its routing weight, summed per token in fp32 (`_WeightedCombine`);
+    returned in the rows' dtype, or in fp32 (`keep_fp32`) for a sum that continues across ranks."""
+    return _WeightedCombine.apply(rows, weights, token_index, num_tokens, keep_fp32)
 
 
 class TokenDispatcher(Protocol):
@@ -179,7 +223,7 @@ class LocalDispatcher:
         return f"local (all {self.num_experts} experts on every rank)"
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """True while autograd runs a backward pass (e.g. a checkpointed forward being recomputed)."""
     return torch._C._current_graph_task_id() != -1
 
@@ -200,11 +244,12 @@ class MoEBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.view(-1, hidden.shape[-1])
         _, weights, expert_ids = self.gate(flat)
-        if not _in_backward():
+        if not in_backward():
             counts = torch.bincount(expert_ids.reshape(-1), minlength=self.gate.num_experts)
             self.load = counts if self.load is None else self.load + counts
         dispatched = self.dispatcher.dispatch(flat, expert_ids, weights)
-        routed = self.dispatcher.combine(self.experts(dispatched.rows, dispatched.counts), dispatched)
+        expert_out = self.experts(dispatched.rows, dispatched.counts, dispatched.extra)
+        routed = self.dispatcher.combine(expert_out, dispatched)
         return routed.view(hidden.shape) + self.shared_experts(hidden)
 
     def take_load(self) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from glm45v_fsdp.config import FsdpPlanConfig
 from glm45v_fsdp.errors import ConfigError
@@ -22,15 +23,28 @@ from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-# Glm4vMoeVisionModel / Glm4vMoeModel return the per-image embeddings as torch.split views; FSDP2 warns about any view
-# output because an in-place op on it would skip its hook. Nothing modifies them, so that one warning is noise.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGlm4vMoe(Vision)?Model\) returned a view tensor")
+# Glm4vMoeVisionModel / Glm4vMoeModel return the per-image embeddings as torch.split views, and GroupedExperts its
+# grouped GEMM output as a view (model/moe.py, _ContiguousGrad); FSDP2 warns about any view output because an in-place
+# op on it would skip its hook. Nothing modifies them, so those warnings are noise.
+warnings.filterwarnings(
+    "ignore", message=r"FSDP2-wrapped module \(FSDP(Glm4vMoe(Vision)?Model|GroupedExperts)\) returned a view tensor"
+)
 
 
 def apply_fsdp(
-    model: nn.Module, plan: FsdpPlanConfig, mesh: DeviceMesh, pin_memory: bool, required_units: tuple[str, ...] = ()
+    model: nn.Module,
+    plan: FsdpPlanConfig,
+    mesh: DeviceMesh,
+    pin_memory: bool,
+    required_units: tuple[str, ...] = (),
+    expert_units: list[str] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> list[PlanMatch]:
     """Shard the planned modules innermost first (so nested patterns work), then the root.
+
+    `expert_units`: modules whose parameters expert parallelism already sharded on dim 0 over the ep mesh; each is
+    a unit of its own over `expert_mesh` (efsdp, or (dp_replicate, efsdp) for HSDP), sharded on dim 1, so a rank
+    holds a plain box of its own experts (no strided shards). They are sharded first: they sit inside the layers.
 
     `required_units` are modules the training forward calls outside their parent's forward, so each must be an
     FSDP unit of its own or its parameters would not be gathered when it runs; the plan must select them.
@@ -49,9 +63,18 @@ def apply_fsdp(
         )
     if mesh.size() == 1 and not plan.cpu_offload:
         return matches
-    selected = sorted(selected_names, key=lambda n: -n.count("."))
+    selected = sorted(selected_names - set(expert_units), key=lambda n: -n.count("."))
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan.param_dtype], reduce_dtype=DTYPES[plan.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if plan.cpu_offload else OffloadPolicy()
+    for name in expert_units:
+        fully_shard(
+            present[name],
+            mesh=expert_mesh,
+            mp_policy=policy,
+            offload_policy=offload,
+            reshard_after_forward=plan.reshard_after_forward,
+            shard_placement_fn=lambda param: Shard(1),
+        )
     for name in selected:
         fully_shard(
             present[name],
