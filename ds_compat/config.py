@@ -123,9 +123,14 @@ def _parent(tree: dict, path: str) -> tuple[dict | None, str]:
 
 
 def _auto_may_stay(path: str) -> bool:
-    """'auto' on a key without effect on FSDP2 (e.g. the HF bucket sizes) needs no value."""
+    """'auto' on a key without effect on FSDP2 (e.g. the HF bucket sizes), or on AutoEP's routing keys (where it
+    means the model's own routing), needs no value."""
     top, _, rest = path.partition(".")
-    return top in ds_keys.NO_EFFECT_TOP or (top == "zero_optimization" and rest in ds_keys.ZERO_NO_EFFECT)
+    return (
+        top in ds_keys.NO_EFFECT_TOP
+        or (top == "zero_optimization" and rest in ds_keys.ZERO_NO_EFFECT)
+        or (top == "expert_parallel" and ds_keys.EXPERT_PARALLEL_ROUTING.get(rest) == "auto")
+    )
 
 
 def _leftover_autos(tree: Any, prefix: str = "") -> list[str]:
@@ -418,6 +423,7 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
         )
     steps_per_print = sections.map_logging(ds, report)
     sections.map_activation_checkpointing(ds, report)
+    sections.map_expert_parallel(ds, world_size, dp, stage, report)
     sections.map_unsupported_features(ds, report)
     return Translation(
         batch=batch,

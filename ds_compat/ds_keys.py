@@ -215,7 +215,6 @@ NO_EFFECT_TOP: frozenset[str] = frozenset(
         "vocabulary_size",
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
-        "use_data_before_expert_parallelism",
         "seq_parallel_communication_data_type",
         "dataloader_drop_last",
         "checkpoint",
@@ -256,6 +255,7 @@ MAPPED_TOP: frozenset[str] = frozenset(
         "data_efficiency",
         "tensor_parallel",
         "expert_parallel",
+        "use_data_before_expert_parallelism",
         "weight_quantization",
     }
 )
@@ -271,3 +271,56 @@ ACTIVATION_CHECKPOINTING_KEYS = frozenset(
         "synchronize_checkpoint_boundary",
     }
 )
+
+# DeepSpeed 0.19's AutoEP section (deepspeed/module_inject/auto_ep_config.py, parse_autoep_config): every key it reads.
+EXPERT_PARALLEL_KEYS: frozenset[str] = frozenset(
+    {
+        "enabled",
+        "autoep_size",
+        "expert_tensor_parallel_size",
+        "validate_folding_routing",
+        "async_split_plan",
+        "preset_model",
+        "moe_layer_pattern",
+        "expert_pattern",
+        "router_pattern",
+        "use_grouped_mm",
+        "disable_triton_grouped_mm",
+        "route_norm",
+        "route_scale",
+        "score_apply",
+        "combine_impl",
+        "row_weighting_impl",
+        "gate_up_impl",
+        "comm_backend",
+        "comm_num_sm",
+        "comm_qp_margin",
+        "comm_max_tokens_per_rank",
+        "num_expert_groups",
+        "num_limited_groups",
+        "score_func",
+        "top_k",
+        "load_balance_coeff",
+        "routed_scaling_factor",
+        "expert_w1",
+        "expert_w2",
+        "expert_w3",
+        "num_experts_attr",
+        "top_k_attr",
+        "has_shared_experts",
+        "shared_experts_pattern",
+        "shared_experts_gate_pattern",
+        "expert_activation",
+    }
+)
+# AutoEP's routing overrides and the defaults that leave the model's own routing alone.
+EXPERT_PARALLEL_ROUTING: dict[str, object] = {
+    "route_norm": None,
+    "route_scale": 1.0,
+    "score_apply": "auto",
+    "score_func": "auto",
+    "top_k": "auto",
+    "routed_scaling_factor": "auto",
+    "num_expert_groups": None,
+    "num_limited_groups": None,
+}

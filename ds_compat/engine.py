@@ -157,6 +157,17 @@ class DeepSpeedEngine(nn.Module):
                 "not accept). GLM-4.5V trains with Ulysses context parallelism through our trainer: "
                 "`python -m glm45v_fsdp.train --deepspeed ds_config.json`. Remove the key for the engine API."
             )
+        expert_parallel = next(
+            (item for item in self.translation.overrides if item.startswith("parallel.expert_parallel_size=")), None
+        )
+        if expert_parallel is not None:
+            raise UserError(
+                f"DeepSpeed config key 'expert_parallel.autoep_size' = {expert_parallel.partition('=')[2]} is not "
+                "supported by the engine API: splitting the experts of an arbitrary module needs to know its MoE "
+                "block (router, expert stacks, how tokens reach them), which this backend knows for GLM-4.5V only. "
+                "GLM-4.5V trains with expert parallelism through our trainer: `python -m glm45v_fsdp.train "
+                "--deepspeed ds_config.json`. Set expert_parallel.enabled to false for the engine API."
+            )
         self.config = self.translation.ds_config  # DeepSpeed's engine.config: the config dict
         self._config = self.translation.apply(Config())
         self.dims = build_parallel_dims(self._config.parallel, self.world_size)

@@ -463,16 +463,98 @@ def map_unsupported_features(ds: dict, report: Report) -> None:
         if as_int("tensor_parallel.autotp_size", size) > 1:
             raise _cannot("tensor_parallel.autotp_size", size, "tensor parallelism (AutoTP) is not available")
         report.ignore("tensor_parallel")
-    if "expert_parallel" in ds:
-        section, on = _enabled(ds, "expert_parallel")
-        if on:
-            raise not_yet(
-                "expert_parallel.enabled",
-                True,
-                f"AutoEP maps to parallel.expert_parallel_size={section.get('autoep_size', 1)}, and the engine has "
-                "no expert parallelism yet",
-                "Set expert_parallel.enabled to false.",
-            )
-        report.ignore("expert_parallel")
     if "weight_quantization" in ds:
         raise _cannot("weight_quantization", ds["weight_quantization"], "quantized weights change the numerics")
+
+
+def map_expert_parallel(ds: dict, world_size: int, dp: int, stage: int, report: Report) -> int:
+    """DeepSpeed 0.19's AutoEP section onto parallel.expert_parallel_size (call after map_zero: `stage`, `dp` the
+    data-parallel ranks); returns the EP size (1: off).
+
+    `enabled` + `autoep_size` choose the size. The keys that tell AutoEP where an arbitrary model's MoE layers,
+    experts and router live, and its kernel choices, have no effect (our MoE plan knows GLM-4.5V's MoE block). Routing
+    settings must stay at their "auto" defaults: routing comes from the model's own config here, and what the ds_config
+    cannot honour (expert tensor parallelism, DeepEP, an auxiliary balance loss) is refused.
+    """
+    section, on = _enabled(ds, "expert_parallel")
+    for key in section:
+        if key not in ds_keys.EXPERT_PARALLEL_KEYS:
+            report.note(
+                f"'expert_parallel.{key}' is not an AutoEP key: DeepSpeed ignores it, and so does the translation."
+            )
+    size = as_int("expert_parallel.autoep_size", section.get("autoep_size", 1), minimum=1)
+    use_data_first = ds.get("use_data_before_expert_parallelism", False)
+    if not on or size == 1:
+        report.ignore("expert_parallel")
+        if "use_data_before_expert_parallelism" in ds:
+            report.ignore("use_data_before_expert_parallelism")
+        return 1
+    if world_size % size:
+        raise key_error(
+            "expert_parallel.autoep_size",
+            size,
+            f"does not divide the world size {world_size}",
+            f"Choose a divisor of {world_size} that also divides the model's routed experts.",
+        )
+    if as_bool("use_data_before_expert_parallelism", use_data_first):
+        raise _cannot(
+            "use_data_before_expert_parallelism",
+            True,
+            "expert-parallel groups are blocks of adjacent ranks here (DeepSpeed's default E + D order: ranks 0..ep-1 "
+            "share a layer's experts), not strided over the data-parallel ranks",
+            "Remove the key or set it to false.",
+        )
+    etp = as_int("expert_parallel.expert_tensor_parallel_size", section.get("expert_tensor_parallel_size", 1), 1)
+    if etp > 1:
+        raise _cannot("expert_parallel.expert_tensor_parallel_size", etp, "tensor parallelism is not available")
+    if section.get("comm_backend", "comm") != "comm":
+        raise _cannot(
+            "expert_parallel.comm_backend",
+            section["comm_backend"],
+            "DeepEP's kernels are not used; tokens travel by torch's all_to_all_single (parallel.ep_plan.dispatcher)",
+            'Write "comm" or remove the key.',
+        )
+    if section.get("load_balance_coeff") is not None:
+        raise _cannot(
+            "expert_parallel.load_balance_coeff",
+            section["load_balance_coeff"],
+            "no auxiliary balance loss is added (DeepSpeed 0.19 refuses it too); EP balance by expert replicas is "
+            "features.ep_balance",
+            "Remove the key or set it to null.",
+        )
+    for key, default in ds_keys.EXPERT_PARALLEL_ROUTING.items():
+        value = section.get(key, default)
+        if value != default and value is not None:
+            raise key_error(
+                f"expert_parallel.{key}",
+                value,
+                "overrides the model's routing, which comes from the model's own config on this backend",
+                f"Leave it at {default!r} (or remove it); change the routing in the model config instead "
+                f"(model.config_overrides.text_config.*) if you must.",
+            )
+    report.override("parallel.expert_parallel_size", size)
+    if stage == 0:
+        if dp % size:
+            raise key_error(
+                "expert_parallel.autoep_size",
+                size,
+                f"does not divide the {dp} data-parallel ranks",
+                f"Choose a divisor of {dp}.",
+            )
+        report.override("parallel.data_parallel_replicate_size", dp // size)
+        report.note(
+            f"ZeRO stage 0 with expert parallelism: the ranks form {dp // size} replica(s) of {size} (HSDP), so the "
+            f"experts split over the {size} ranks of each replica; the dense parameters are sharded over them too "
+            "(DeepSpeed keeps them whole on every rank). Same updates, less memory."
+        )
+    report.note(
+        f"expert_parallel.autoep_size {size}: the routed experts split over {size} adjacent ranks (E/{size} each), "
+        "tokens exchanged by all-to-all; the keys that locate MoE layers in an arbitrary model and AutoEP's kernel "
+        "choices have no effect (our MoE plan knows GLM-4.5V's MoE block).",
+    )
+    for key in section:
+        if key in ds_keys.EXPERT_PARALLEL_KEYS and key not in ("enabled", "autoep_size"):
+            report.ignore(f"expert_parallel.{key}")
+    if "use_data_before_expert_parallelism" in ds:
+        report.ignore("use_data_before_expert_parallelism")
+    return size

@@ -62,8 +62,18 @@ def format_line(record: StepRecord, total_steps: int, memory_kind: str) -> str:
     return (
         f"step {record.step}/{total_steps} | loss {record.loss:.6f} | grad norm {record.grad_norm:.4f} | "
         f"lr {record.lr:.3e} | {record.ms_per_iter:.1f} ms/iter | {record.samples_per_s:.2f} samples/s | "
-        f"{record.tokens_per_s:.0f} tokens/s | {memory}{skipped}"
+        f"{record.tokens_per_s:.0f} tokens/s | {memory}{skipped}{_expert_load(record.extra)}"
     )
+
+
+def _expert_load(extra: dict[str, Any]) -> str:
+    """Expert parallelism's EP rank load (max/mean), before -> after balance when a replica ran."""
+    if "ep_load_max_over_mean_before" not in extra:
+        return ""
+    before, after = extra["ep_load_max_over_mean_before"], extra["ep_load_max_over_mean_after"]
+    if not extra["ep_replicas"]:
+        return f" | EP load max/mean {before:.2f}"
+    return f" | EP load max/mean {before:.2f} -> {after:.2f} ({extra['ep_replicas']:.0f} replicas)"
 
 
 def percentile(values: list[float], q: float) -> float:

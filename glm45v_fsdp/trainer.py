@@ -343,7 +343,7 @@ class Trainer:
                 **self._offload_metrics(),
                 **self._loss_scale_metrics(),
                 **moe_load_metrics(self.moe_blocks, self.runtime.torch_device),
-                **balance_metrics(self.moe_blocks),
+                **balance_metrics(self.moe_blocks, self.runtime.torch_device),
             },
         )
         self.records.append(record)

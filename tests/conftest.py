@@ -59,6 +59,39 @@ def train(output_dir: Path, overrides: list[str], nproc: int = 1, env: dict | No
     return subprocess.run(command, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=600)
 
 
+def train_many(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str, tuple[str, list[dict]]]:
+    """Several training runs on `nproc` ranks in ONE torchrun job (tests/multi_run.py): {name: overrides} ->
+    {name: (rank 0's log, metrics records)}; run `name` writes to root/name."""
+    root.mkdir(parents=True, exist_ok=True)
+    items = []
+    for name, overrides in runs.items():
+        output_dir = root / name.replace(" ", "_")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        argv = [f"training.output_dir={output_dir}", "training.progress_bar=false", *overrides]
+        items.append({"argv": argv, "log": str(output_dir / "train.log")})
+    spec = root / "runs.json"
+    spec.write_text(json.dumps(items))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        str(REPO / "tests" / "multi_run.py"),
+        str(spec),
+    ]
+    result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {
+        name: (
+            (root / name.replace(" ", "_") / "train.log").read_text(),
+            read_metrics(root / name.replace(" ", "_")),
+        )
+        for name in runs
+    }
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 

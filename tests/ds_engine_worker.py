@@ -113,6 +113,12 @@ def main() -> None:
         checks["sequence_parallel_refused"] = None
     except UserError as error:
         checks["sequence_parallel_refused"] = str(error)
+    try:
+        expert_parallel = {"enabled": True, "autoep_size": 2}
+        deepspeed.initialize(model=script.TinyLM(), config={"train_batch_size": 2, "expert_parallel": expert_parallel})
+        checks["expert_parallel_refused"] = None
+    except UserError as error:
+        checks["expert_parallel_refused"] = str(error)
 
     bf16_engine, *_ = build(True)
     bf16_engine.save_16bit_model(os.path.join(args.save_dir, "export16"), "model16.bin")

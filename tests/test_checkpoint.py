@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import train
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from glm45v_fsdp.checkpoint.dcp import TMP_SUFFIX, check_save_targets, find_checkpoint, resolve_load
@@ -117,6 +119,68 @@ def test_two_rank_checkpoint_resumes_on_other_world_sizes(runs, nproc):
     for key in ("loss", "grad_norm"):
         errors = relative_errors(curve(resumed.records, key), curve(reference.records, key))
         assert sum(errors) / len(errors) <= 1e-5, key
+
+
+EP2 = "parallel.expert_parallel_size=2"
+
+
+@pytest.mark.parametrize(
+    "name, source, nproc, ep",
+    [
+        ("ep2_to_ep1", "save2ep", 1, 1),  # and one rank
+        ("ep1_to_ep4", "save2", 4, 4),  # and four ranks
+        ("ep2_to_ep4", "save2ep", 4, 4),
+    ],
+)
+def test_expert_parallel_checkpoints_resume_at_another_ep_size(runs, name, source, nproc, ep):
+    """DCP holds the experts EP-sharded under their global shapes, so a checkpoint of one EP size (and world size)
+    resumes at another: the next step's loss and the rest of the curve follow the run that saved it."""
+    saved = straight(runs, 2) if source == "save2" else straight_ep2(runs)
+    resumed = runs(name, nproc, [f"training.load=ROOT/{source}/{STEP6}", f"parallel.expert_parallel_size={ep}"])
+    assert [r["step"] for r in resumed.records] == list(range(7, 13))
+    assert ("[plan expert_parallel]" in resumed.stdout) == (ep > 1)
+    for key in ("loss", "grad_norm"):
+        errors = relative_errors(curve(resumed.records, key), curve(saved.records, key))
+        assert errors[0] <= 1e-6 and sum(errors) / len(errors) <= 1e-5, (key, errors)
+
+
+def straight_ep2(runs) -> Run:
+    """straight(runs, 2) under EP2: checkpoints at steps 6 and 12 into ROOT/save2ep, HF export into ROOT/hf2ep."""
+    saves = ["training.save=ROOT/save2ep", "training.save_interval=6", "training.save_hf=ROOT/hf2ep", EP2]
+    return runs("straight2ep", 2, saves)
+
+
+def test_expert_parallel_saves_global_expert_tensors_and_exports_unchanged(runs, tmp_path):
+    ep1, ep2 = straight(runs, 2), straight_ep2(runs)
+    for key in ("loss", "grad_norm"):
+        assert sum(relative_errors(curve(ep2.records, key, 1), curve(ep1.records, key, 1))) / 12 <= 1e-5, key
+    step12 = "step_00000012"
+    tensors = {
+        tag: _dcp_tensors(runs.root / save / step12, tmp_path / f"{tag}.pt")
+        for tag, save in (("ep1", "save2"), ("ep2", "save2ep"))
+    }
+    assert tensors["ep1"].keys() == tensors["ep2"].keys()
+    experts = [k for k in tensors["ep2"] if k.endswith("mlp.experts.gate_up_proj")]
+    assert experts and all(tensors["ep2"][k].shape == tensors["ep1"][k].shape for k in tensors["ep1"])
+    converted = tmp_path / "converted"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "glm45v_fsdp.tools.convert",
+            "dcp-to-hf",
+            str(runs.root / "save2ep" / step12),
+            str(converted),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    exported = {k: v for f in sorted((runs.root / "hf2ep").glob("*.safetensors")) for k, v in load_file(f).items()}
+    offline = {k: v for f in sorted(converted.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert exported.keys() == offline.keys() and all(torch.equal(exported[k], offline[k]) for k in exported)
 
 
 def test_no_load_optim_and_no_load_rng(runs):

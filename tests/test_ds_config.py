@@ -698,8 +698,14 @@ def test_no_effect_keys_are_listed_once():
         ({"data_efficiency": {"enabled": True}}, "curriculum"),
         ({"tensor_parallel": {"autotp_size": 2}}, "tensor parallelism"),
         (
-            {"expert_parallel": {"enabled": True, "autoep_size": 4}},
-            "not supported yet.*parallel.expert_parallel_size=4",
+            {"expert_parallel": {"enabled": True, "autoep_size": 2, "expert_tensor_parallel_size": 2}},
+            "expert_tensor_parallel_size' = 2 cannot be honoured.*tensor parallelism",
+        ),
+        ({"expert_parallel": {"enabled": True, "autoep_size": 2, "comm_backend": "deepep"}}, "DeepEP"),
+        ({"expert_parallel": {"enabled": True, "autoep_size": 2, "load_balance_coeff": 0.01}}, "balance loss"),
+        (
+            {"expert_parallel": {"enabled": True, "autoep_size": 2}, "use_data_before_expert_parallelism": True},
+            "adjacent ranks",
         ),
         ({"gradient_allreduce_op": "sum"}, "averages gradients"),
         ({"managed_gradient_accumulation": False}, "accumulation boundary"),
@@ -722,7 +728,43 @@ def test_no_effect_keys_are_listed_once():
 )
 def test_keys_we_cannot_honour_fail_with_the_reason(extra, message):
     with pytest.raises(UserError, match=message):
-        translate({"train_batch_size": 8, **extra}, 1)
+        translate({"train_batch_size": 8, **extra}, 2 if "expert_parallel" in extra else 1)
+
+
+def test_autoep_key_tables_match_deepspeeds_config():
+    import dataclasses
+
+    from deepspeed.module_inject.auto_ep_config import AutoEPConfig
+
+    fields = {field.name: field for field in dataclasses.fields(AutoEPConfig) if not field.name.startswith("_")}
+    assert ds_keys.EXPERT_PARALLEL_KEYS == set(fields)
+    for key, default in ds_keys.EXPERT_PARALLEL_ROUTING.items():
+        assert fields[key].default == default, key
+
+
+def test_expert_parallel_maps_to_the_ep_size():
+    section = {"enabled": True, "autoep_size": 2, "top_k": "auto", "use_grouped_mm": True, "preset_model": "x"}
+    translation = translate({"train_batch_size": 8, "zero_optimization": {"stage": 2}, "expert_parallel": section}, 4)
+    overrides = _overrides(translation)
+    assert overrides["parallel.expert_parallel_size"] == "2"
+    assert {"expert_parallel.top_k", "expert_parallel.use_grouped_mm", "expert_parallel.preset_model"} <= set(
+        translation.no_effect
+    )
+    config = translation.apply(Config())
+    assert (config.parallel.expert_parallel_size, config.parallel.data_parallel_replicate_size) == (2, 1)
+    # ZeRO-0 replicates everything: EP takes replicas of 2 ranks (HSDP), the experts split inside each
+    zero0 = translate({"train_batch_size": 8, "expert_parallel": {"enabled": True, "autoep_size": 2}}, 4)
+    assert zero0.apply(Config()).parallel.data_parallel_replicate_size == 2
+    assert any("ZeRO stage 0 with expert parallelism" in note for note in zero0.notes)
+    off = translate({"train_batch_size": 8, "expert_parallel": {"enabled": False, "autoep_size": 4}}, 4)
+    assert "parallel.expert_parallel_size" not in _overrides(off) and "expert_parallel" in off.no_effect
+    unknown = translate({"train_batch_size": 8, "expert_parallel": {"enabled": True, "autoep_size": 2, "sise": 1}}, 2)
+    assert any("'expert_parallel.sise' is not an AutoEP key" in note for note in unknown.notes)
+    for key, value in (("top_k", 4), ("score_func", "softmax"), ("routed_scaling_factor", 2.5), ("route_scale", 2.0)):
+        with pytest.raises(UserError, match=f"'expert_parallel.{key}' = .* overrides the model's routing"):
+            translate({"train_batch_size": 8, "expert_parallel": {"enabled": True, "autoep_size": 2, key: value}}, 2)
+    with pytest.raises(UserError, match="'expert_parallel.autoep_size' = 3 does not divide the world size 4"):
+        translate({"train_batch_size": 8, "expert_parallel": {"enabled": True, "autoep_size": 3}}, 4)
 
 
 def test_fp16_maps_to_fp16_compute_and_deepspeeds_loss_scaler():

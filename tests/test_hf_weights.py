@@ -313,6 +313,91 @@ def test_two_ranks_read_their_slices_and_export_loads_in_transformers(checkpoint
     assert (logits - ranks[0]["logits"]).abs().max().item() <= 1e-5
 
 
+# 4b. Under expert parallelism (4 ranks: efsdp 2 x ep 2): each rank reads its 4 experts, half of dim 1 ----------------
+
+EP_OVERRIDES = {"text_config": {"vocab_size": 509}}  # 8 experts: 4 per EP rank
+EP_PATTERN = "model.language_model.layers.{*}.mlp.experts"
+
+
+@pytest.fixture(scope="module")
+def ep_checkpoints(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("hf_ep")
+    reference = reference_model(EP_OVERRIDES)
+    reference.save_pretrained(root / "per-expert", max_shard_size="200KB")
+    state = {k: v.contiguous() for k, v in reference.state_dict().items()}
+    (root / "stacked").mkdir()
+    save_file(state, root / "stacked" / "model.safetensors")
+    return {"root": root, "state": state}
+
+
+def expert_parallel_model(meshes) -> nn.Module:
+    from glm45v_fsdp.config import Config
+    from glm45v_fsdp.parallel.expert import apply_expert_parallel, expert_sharded_modules
+    from glm45v_fsdp.plans import MoEPlan, PlanContext
+    from glm45v_fsdp.runtime import select_device
+
+    hf_config = load_hf_config(ModelConfig(config_overrides=EP_OVERRIDES))
+    model = build_meta_model(hf_config)
+    MoEPlan().apply(model, PlanContext(Config(), meshes.dims, hf_config, select_device("cpu")))
+    apply_expert_parallel(model, [EP_PATTERN], "alltoall", None, meshes.ep)
+    apply_fsdp(
+        model,
+        FsdpPlanConfig(param_dtype="fp32"),
+        meshes.dense_shard,
+        pin_memory=False,
+        required_units=REQUIRED_FSDP_UNITS,
+        expert_units=expert_sharded_modules(model),
+        expert_mesh=meshes.expert_shard,
+    )
+    materialize(model, CPU, 5)
+    return model
+
+
+def _expert_parallel_worker(rank: int, port: int, root: str) -> None:
+    from glm45v_fsdp.runtime import ParallelDims, ParallelMeshes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    meshes = ParallelMeshes(ParallelDims(4, 1, 4, 1, 1, 2), "cpu")
+    result = {}
+    for layout in ("per-expert", "stacked"):
+        model = expert_parallel_model(meshes)
+        report = load_hf_weights(model, Path(root) / layout)
+        experts = model.get_parameter("model.language_model.layers.1.mlp.experts.gate_up_proj")
+        result[layout] = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.state_dict().items()}
+        result[f"{layout}_bytes"] = report.bytes_read
+        result[f"{layout}_layout"] = report.expert_layout
+    result["local_shape"] = tuple(experts.to_local().shape)
+    result["local_bytes"] = experts.to_local().untyped_storage().nbytes()
+    result["placements"] = [repr(p) for p in experts.placements]
+    export_hf(model, Path(root) / "export", model.config, max_shard_bytes=300_000)
+    torch.save(result, Path(root) / f"ep_rank{rank}.pt")
+    end_worker()
+
+
+def test_expert_parallel_ranks_read_only_their_experts_and_export_unchanged(ep_checkpoints):
+    """Both checkpoint layouts load exactly into experts split 2 ways on dim 0 (ep) and 2 ways on dim 1 (efsdp);
+    each rank reads about a quarter of the checkpoint; the export writes the Hub's tensors back bit for bit."""
+    root, state = ep_checkpoints["root"], ep_checkpoints["state"]
+    mp.spawn(_expert_parallel_worker, args=(free_port(), str(root)), nprocs=4, join=True)
+    text = load_hf_config(ModelConfig(config_overrides=EP_OVERRIDES)).text_config
+    total = sum(t.nbytes for t in state.values())
+    for rank in range(4):
+        result = torch.load(root / f"ep_rank{rank}.pt")
+        assert result["placements"] == ["Shard(dim=1)", "Shard(dim=0)"]  # efsdp on dim 1, ep on dim 0: one box
+        assert result["local_shape"] == (4, text.moe_intermediate_size, text.hidden_size)
+        assert result["local_bytes"] == 4 * text.moe_intermediate_size * text.hidden_size * 4
+        for layout in ("per-expert", "stacked"):
+            assert result[f"{layout}_layout"] == layout
+            assert result[layout].keys() == state.keys()
+            for key, tensor in result[layout].items():
+                assert torch.equal(tensor, state[key]), (layout, key)
+            assert 0.2 * total < result[f"{layout}_bytes"] < 0.3 * total, (layout, result[f"{layout}_bytes"], total)
+    exported = read_dir(root / "export")
+    hub = read_dir(root / "per-expert")
+    assert exported.keys() == hub.keys() and all(torch.equal(exported[k], hub[k]) for k in hub)
+
+
 # 5. The convert / inspect tool ----------------------------------------------------------------------------------------
 
 

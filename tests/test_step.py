@@ -68,6 +68,7 @@ def test_preflight_lists_the_registry_in_order(capsys):
         "recompute",
         "activation_offload",
         "chunk_loss",
+        "expert_parallel",
         "context_parallel",
         "fsdp",
         "weights",

@@ -103,10 +103,19 @@ def test_preflight_106b_on_128_ranks(capsys):
     assert memory["max"]["grads"] == memory["max"]["params"]
     assert memory["max"]["optimizer"] == pytest.approx(2 * memory["max"]["params"], rel=0.01)
     assert len(memory["per_rank"]) == 128
-    # transient: two gathered MoE layers (~2.34B params each) in bf16 + one layer's bf16 grads and fp32 buffer
-    assert memory["transient"]["params"] == pytest.approx(2 * 2.34e9 * 2, rel=0.02)
-    assert memory["fits"] and memory["max"]["total"] < 64 * 2**30  # the shipped config's recompute + chunked loss
-    plain = ["features.recompute.enabled=false", "features.chunk_loss.mode=off"]
+    # transient: the two largest gathered units in bf16. Without EP two MoE layers (~2.34B parameters each, 128
+    # experts); under the shipped config's EP 8 a layer gathers its dense part and 16 experts (~0.40B), so the
+    # largest units are the embedding and lm_head (151552 x 4096 each)
+    experts_per_layer = 128 * 3 * 4096 * 1408
+    assert 2.34e9 - experts_per_layer * 7 / 8 < 151552 * 4096
+    assert memory["transient"]["params"] == pytest.approx(2 * 151552 * 4096 * 2, rel=0.01)
+    assert memory["max"]["expert_params"] == pytest.approx(45 * experts_per_layer * 4 / 128, rel=0.001)
+    assert memory["fits"] and memory["max"]["total"] < 40 * 2**30  # EP 8, recompute and the chunked loss
+    ep1 = preflight_json(capsys, "--config", CONFIG_106B, "--world-size", "128", "parallel.expert_parallel_size=1")
+    assert ep1["memory"]["transient"]["params"] == pytest.approx(2 * 2.34e9 * 2, rel=0.02)
+    assert ep1["memory"]["max"]["expert_params"] == memory["max"]["expert_params"]  # the state is 1/128 either way
+    assert ep1["memory"]["max"]["total"] - memory["max"]["total"] > 14 * 2**30
+    plain = ["features.recompute.enabled=false", "features.chunk_loss.mode=off", "parallel.expert_parallel_size=1"]
     without = preflight_json(capsys, "--config", CONFIG_106B, "--world-size", "128", *plain)["memory"]
     assert without["activations"]["loss_peak"] == 3 * 8192 * 151552 * 4 and not without["fits"]
     assert without["max"]["total"] > 2.5 * memory["max"]["total"]
@@ -172,18 +181,17 @@ def _storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
-def _allocation_worker(rank: int, port: int, out_dir: str) -> None:
+def _allocation_worker(rank: int, world: int, port: int, out_dir: str, overrides: list[str]) -> None:
     from glm45v_fsdp.builders import build_data, build_model, build_runtime
     from glm45v_fsdp.optim import build_optimizer, recipe_from_training
 
     torch.set_num_threads(1)
     for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
         os.environ.pop(name, None)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"
-    )
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    config = load_config(None, EXACT_OVERRIDES)
+    config = load_config(None, EXACT_OVERRIDES + overrides)
     runtime = build_runtime(config)
     model, hf_config = build_model(config, runtime)
     loader, _ = build_data(config, runtime, hf_config)
@@ -191,13 +199,15 @@ def _allocation_worker(rank: int, port: int, out_dir: str) -> None:
     loss_sum, tokens = model(next(iter(loader)))
     (loss_sum / tokens).backward()
     optimizer.step()
-    params = [p for p in model.parameters()]
+    named = dict(model.named_parameters())
+    params = list(named.values())
     grads = [p.grad for p in params if p.grad is not None]
     assert all(isinstance(p, DTensor) for p in params)
     states = [t for state in optimizer.state.values() for t in state.values()]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in states]
     result = {
         "params": sum(p.to_local().nbytes for p in params),
+        "expert_params": sum(p.to_local().nbytes for name, p in named.items() if ".mlp.experts." in name),
         "grads": sum(g.to_local().nbytes for g in grads),
         "optimizer": sum(t.nbytes for t in local),
         "storage": _storage_bytes([p.to_local() for p in params]) + _storage_bytes([g.to_local() for g in grads]),
@@ -206,18 +216,26 @@ def _allocation_worker(rank: int, port: int, out_dir: str) -> None:
     end_worker()
 
 
-def test_estimator_equals_a_real_two_rank_fsdp2_allocation(tmp_path, capsys):
+@pytest.mark.parametrize("world, extra", [(2, []), (4, ["parallel.expert_parallel_size=2"])], ids=["fsdp2", "ep2x2"])
+def test_estimator_equals_a_real_fsdp2_allocation(tmp_path, capsys, world, extra):
+    """Dense parameters sharded unevenly (vocab 509); with EP 2 on 4 ranks the expert stacks split 2 ways on dim 0
+    and 2 ways on dim 1 (efsdp): the estimate's bytes per rank are the allocation's, byte for byte."""
     port = free_port()
-    mp.spawn(_allocation_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
-    estimate = preflight_json(capsys, "--world-size", "2", *EXACT_OVERRIDES)["memory"]["per_rank"]
-    real = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    assert real[0]["params"] != real[1]["params"]  # uneven shards: the ranks differ
-    for rank in range(2):
+    mp.spawn(_allocation_worker, args=(world, port, str(tmp_path), extra), nprocs=world, join=True)
+    estimate = preflight_json(capsys, "--world-size", str(world), *EXACT_OVERRIDES, *extra)["memory"]["per_rank"]
+    real = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
+    assert real[0]["params"] != real[-1]["params"]  # uneven shards: the ranks differ
+    for rank in range(world):
         mine = estimate[rank]
         assert mine["params"] == real[rank]["params"], rank
+        assert mine["expert_params"] == real[rank]["expert_params"] > 0, rank
         assert mine["grads"] == real[rank]["grads"], rank
         assert mine["optimizer"] == real[rank]["optimizer"], rank
         assert mine["params"] + mine["grads"] + mine["padding"] == real[rank]["storage"], rank
+    if extra:  # each rank holds 4 of the 8 experts, half of each one's dim 1: the same bytes as 1/4 of every expert
+        text = load_hf_config(ModelConfig()).text_config
+        expert_bytes = text.n_routed_experts * 3 * text.moe_intermediate_size * text.hidden_size * 4 * 3  # 3 layers
+        assert all(r["expert_params"] == expert_bytes // 4 for r in real)
 
 
 # ---------------------------------------------------------------------------------------------------------------

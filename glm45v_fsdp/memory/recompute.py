@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -65,6 +66,15 @@ COLLECTIVE_OPS = _existing_ops(
         ("_c10d_functional", "all_gather_into_tensor"),
         ("_c10d_functional", "reduce_scatter_tensor"),
     ]
+)
+# FSDP2 units nested inside a checkpointed module (the expert stacks under expert parallelism, inside each decoder
+# layer) mark their hooks with record_function, and the recomputation runs one marker more than the forward did
+# (FSDP's root_pre_forward fires again). Selective checkpointing counts every op's calls and rejects a recomputation
+# with more; the markers carry no data, so they join the ops torch's selective checkpoint already ignores (detach).
+torch.utils.checkpoint.SAC_IGNORED_OPS.update(
+    getattr(getattr(torch.ops.profiler, name), overload)
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
+    for overload in getattr(torch.ops.profiler, name).overloads()
 )
 SAVED_IN_SELECTIVE = (
     ATTENTION_OPS

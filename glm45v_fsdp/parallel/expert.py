@@ -292,27 +292,31 @@ def expert_sharded_modules(model: nn.Module) -> list[str]:
     ]
 
 
-def balance_metrics(blocks: list[MoEBlock]) -> dict[str, float]:
-    """EP rank load over the step, mean over MoE layers: max/mean and coefficient of variation of pairs per EP rank,
-    before and after balance, replicas run and the bytes their weights moved (this rank's EP group)."""
+def balance_metrics(blocks: list[MoEBlock], device: torch.device) -> dict[str, float | list[float]]:
+    """EP rank load over the step: max/mean and coefficient of variation of the pairs each EP rank computed, before
+    and after balance (mean over MoE layers, then over the EP groups: one all-reduce), the replicas run and the MiB
+    their weights moved (summed over layers, mean over groups), and the per-EP-rank pairs of rank 0's group (summed
+    over layers). Collective over all ranks when distributed; resets the dispatchers' counts."""
     dispatchers = [block.dispatcher for block in blocks if isinstance(block.dispatcher, AllToAllDispatcher)]
     if not dispatchers:
         return {}
-    figures: dict[str, list[float]] = {}
-    replicas = replica_bytes = 0
-    for dispatcher in dispatchers:
-        stats = dispatcher.take_stats()
-        if not stats.forwards:
-            continue
-        replicas += stats.replicas
-        replica_bytes += stats.replica_bytes
-        for when, loads in (("before", stats.before), ("after", stats.after)):
-            mean = float(loads.mean()) or 1e-12
-            figures.setdefault(f"ep_load_max_over_mean_{when}", []).append(float(loads.max()) / mean)
-            figures.setdefault(f"ep_load_cv_{when}", []).append(float(loads.std(correction=0)) / mean)
-    if not figures:
+    stats = [dispatcher.take_stats() for dispatcher in dispatchers]
+    stats = [s for s in stats if s.forwards]
+    if not stats:
         return {}
-    result = {name: sum(values) / len(values) for name, values in figures.items()}
-    result["ep_replicas"] = float(replicas)
-    result["ep_replica_mib"] = replica_bytes / 2**20
+    names, figures = [], []
+    for when in ("before", "after"):
+        loads = torch.stack([getattr(s, when) for s in stats])  # [layers, ep ranks]
+        mean = loads.mean(dim=1).clamp(min=1e-12)
+        names += [f"ep_load_max_over_mean_{when}", f"ep_load_cv_{when}"]
+        figures += [(loads.max(dim=1).values / mean).mean(), (loads.std(dim=1, correction=0) / mean).mean()]
+    names += ["ep_replicas", "ep_replica_mib"]
+    figures += [sum(s.replicas for s in stats), sum(s.replica_bytes for s in stats) / 2**20]
+    means = torch.tensor([float(f) for f in figures], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(means)
+        means /= dist.get_world_size()
+    result: dict[str, float | list[float]] = dict(zip(names, means.tolist()))
+    result["ep_load_per_rank_before"] = sum(s.before for s in stats).tolist()
+    result["ep_load_per_rank_after"] = sum(s.after for s in stats).tolist()
     return result

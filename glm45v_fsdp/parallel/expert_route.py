@@ -134,7 +134,10 @@ def plan_route(
         shares[expert] = [(owner, share.pop(owner))] + sorted(share.items())
         loads[busiest] -= move
         loads[receiver] += move
-    route.shares = {e: [(r, n) for r, n in share if n > 0] for e, share in shares.items() if len(share) > 1}
+    # the owner's share stays first even when every pair moved (its slot simply runs no row)
+    route.shares = {
+        e: [(r, n) for r, n in share if n > 0 or r == route.owner(e)] for e, share in shares.items() if len(share) > 1
+    }
     route.replicas = [[] for _ in range(size)]
     for expert in sorted(route.shares, key=lambda e: (route.owner(e), e)):
         for rank, _ in route.shares[expert]:

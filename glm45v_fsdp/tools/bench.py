@@ -1,4 +1,4 @@
-"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory [options] [key.path=value ...]`
+"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory|ep [options] [key.path=value ...]`
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -7,6 +7,9 @@ drift in machine speed hits both). Prints the ratio ours/bare and writes it as J
 
 memory: OFF/ON training runs per memory switch (chunk loss, recompute, offload, combined), each in its own process;
 a table in the reference report's form as markdown and JSON, and a PNG bar chart (tools/bench_memory.py).
+
+ep: expert parallelism: EP1 vs EP n, alltoall vs allgather, EP balance under skewed and even routing, each side a
+real training run; the same markdown / JSON / PNG outputs (tools/bench_ep.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools import bench_memory
+from glm45v_fsdp.tools import bench_ep, bench_memory
 
 BARE_INPUT_KEYS = (
     "input_ids",
@@ -158,11 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     overhead.add_argument("--output", type=Path, default=Path("output/bench/overhead.json"))
     overhead.add_argument("overrides", nargs="*", help="key.path=value config overrides")
     bench_memory.add_parser(sub)
+    bench_ep.add_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
         if args.benchmark == "memory":
             return bench_memory.main_memory(args, argv)
+        if args.benchmark == "ep":
+            return bench_ep.main_ep(args, argv)
         run_overhead(args.steps, args.warmup, args.blocks, args.overrides, args.output)
     except UserError as error:
         print(f"bench: error: {error}", file=sys.stderr)

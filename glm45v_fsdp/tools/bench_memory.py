@@ -241,7 +241,12 @@ def _children_cpu_s() -> float:
 
 
 def execute(
-    name: str, command: list[str], output_dir: Path, timeout: float | None, threads: int | None = None
+    name: str,
+    command: list[str],
+    output_dir: Path,
+    timeout: float | None,
+    threads: int | None = None,
+    bench: str = "bench memory",
 ) -> tuple[list[dict], float, float]:
     """Run one training process; its stdout/stderr go to <output_dir>/train.log. Returns its step records, its wall
     seconds and its CPU seconds (user + sys of it and its children)."""
@@ -257,13 +262,13 @@ def execute(
             )
         except subprocess.TimeoutExpired:
             raise UserError(
-                f"bench memory: run '{name}' did not finish within --run-timeout {timeout:.0f} s; see "
+                f"{bench}: run '{name}' did not finish within --run-timeout {timeout:.0f} s; see "
                 f"{output_dir / 'train.log'}. Lower --steps or --tokens, or raise --run-timeout."
             ) from None
     if result.returncode != 0:
         tail = (output_dir / "train.log").read_text().splitlines()[-25:]
         raise UserError(
-            f"bench memory: run '{name}' failed (exit status {result.returncode}); last lines of "
+            f"{bench}: run '{name}' failed (exit status {result.returncode}); last lines of "
             f"{output_dir / 'train.log'}:\n" + "\n".join(tail)
         )
     metrics = output_dir / "metrics.jsonl"

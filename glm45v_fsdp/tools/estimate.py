@@ -1,10 +1,12 @@
 """Per-rank memory arithmetic for a model built on the meta device: exact state bytes, estimated activations.
 
 Exact (what FSDP2 and AdamW allocate):
-  - FSDP2 shards every parameter along dim 0 over the FSDP mesh (dp_shard x cp ranks; HSDP replicates over
+  - FSDP2 shards every dense parameter along dim 0 over the FSDP mesh (dp_shard x cp ranks; HSDP replicates over
     dp_replicate): with c = ceil(d0 / n), shard index i holds rows [i*c, min((i+1)*c, d0)), so the last indices can
     hold fewer rows, or none. The sharded parameter and the reduce-scattered gradient live in storage padded to c rows
     on every index; `padding` is that storage beyond the rows.
+  - under expert parallelism an expert stack [E, d1, d2] is split on dim 0 over the ep ranks (E/ep whole experts,
+    exact) and FSDP2 shards each rank's stack on dim 1 over the efsdp ranks, by the same rule on d1.
   - master parameters in their own dtype (fp32), gradients (fp32) of trainable parameters only, AdamW exp_avg and
     exp_avg_sq (like the parameter) plus a 4-byte `step` tensor per trainable parameter.
   - without FSDP (a one-rank world, no CPU offload) every rank holds the whole model, unpadded.
@@ -25,13 +27,16 @@ FP32 = 4
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter as FSDP2 sees it: full shape, master dtype size, trainability and its FSDP unit ('' = root)."""
+    """One parameter as FSDP2 sees it: full shape, master dtype size, trainability, its FSDP unit ('' = root),
+    whether it is a routed expert stack and whether expert parallelism splits it."""
 
     name: str
     shape: tuple[int, ...]
     itemsize: int
     trainable: bool
     unit: str
+    expert: bool = False  # split by expert parallelism
+    routed: bool = False  # a routed expert stack (with or without expert parallelism)
 
     @property
     def row_numel(self) -> int:
@@ -44,10 +49,23 @@ def owning_unit(name: str, units: list[str]) -> str:
     return max(owners, key=len, default="")
 
 
-def param_specs(model: nn.Module, units: list[str]) -> list[ParamSpec]:
-    """ParamSpec of every parameter of `model` (meta or real), with `units` the FSDP plan's matched module names."""
+def param_specs(
+    model: nn.Module, units: list[str], expert_modules: list[str] = (), routed_modules: list[str] = ()
+) -> list[ParamSpec]:
+    """ParamSpec of every parameter of `model` (meta or real), with `units` the FSDP plan's matched module names,
+    `expert_modules` the modules expert parallelism splits (each its own FSDP unit on the expert mesh) and
+    `routed_modules` every MoE layer's routed experts."""
+    experts, routed = set(expert_modules), set(routed_modules)
     return [
-        ParamSpec(name, tuple(p.shape), p.element_size(), p.requires_grad, owning_unit(name, units))
+        ParamSpec(
+            name,
+            tuple(p.shape),
+            p.element_size(),
+            p.requires_grad,
+            owning_unit(name, [*units, *experts]),
+            name.rpartition(".")[0] in experts,
+            name.rpartition(".")[0] in routed,
+        )
         for name, p in model.named_parameters()
     ]
 
@@ -64,6 +82,46 @@ def padded_rows(rows: int, shard_size: int) -> int:
 
 
 @dataclass(frozen=True)
+class ShardLayout:
+    """How parameters are split over the ranks: dense ones on dim 0 over `dense` FSDP ranks; expert stacks on dim 0
+    over `ep` ranks and on dim 1 over `efsdp` FSDP ranks. `sharded` False: no FSDP (one rank), nothing split."""
+
+    dense: int
+    ep: int = 1
+    efsdp: int = 1
+    sharded: bool = True
+
+    def index(self, fsdp_index: int) -> tuple[int, int]:
+        """(dense shard index, efsdp index) of the rank at `fsdp_index` on the FSDP mesh (ep is innermost)."""
+        return fsdp_index, fsdp_index // self.ep
+
+    def local(self, spec: ParamSpec, fsdp_index: int) -> tuple[int, int]:
+        """(elements this rank holds, elements of its padded storage) of one parameter."""
+        if not self.sharded:
+            numel = math.prod(spec.shape)
+            return numel, numel
+        dense_index, efsdp_index = self.index(fsdp_index)
+        if spec.expert:
+            experts, d1, rest = spec.shape[0] // self.ep, spec.shape[1], math.prod(spec.shape[2:])
+            return (
+                experts * shard_rows(d1, self.efsdp, efsdp_index) * rest,
+                experts * padded_rows(d1, self.efsdp) * rest,
+            )
+        rows = shard_rows(spec.shape[0], self.dense, dense_index)
+        return rows * spec.row_numel, padded_rows(spec.shape[0], self.dense) * spec.row_numel
+
+    def unsharded(self, spec: ParamSpec) -> int:
+        """Elements of one parameter once FSDP2 has all-gathered it (padded): the whole tensor, or for an expert
+        stack this rank's E/ep experts."""
+        if not self.sharded:
+            return math.prod(spec.shape)
+        if spec.expert:
+            experts, d1, rest = spec.shape[0] // self.ep, spec.shape[1], math.prod(spec.shape[2:])
+            return experts * padded_rows(d1, self.efsdp) * self.efsdp * rest
+        return padded_rows(spec.shape[0], self.dense) * self.dense * spec.row_numel
+
+
+@dataclass(frozen=True)
 class StateBytes:
     """Bytes of one rank's persistent training state."""
 
@@ -71,38 +129,43 @@ class StateBytes:
     grads: int
     optimizer: int
     padding: int
+    expert_params: int = 0  # of `params`: the routed expert stacks' share
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.padding
 
 
-def state_bytes(specs: list[ParamSpec], shard_size: int, index: int, sharded: bool) -> StateBytes:
-    """Parameters, gradients, AdamW states and FSDP2 padding of shard index `index` (`sharded`: FSDP2 applied)."""
-    params = grads = optimizer = padding = 0
+def state_bytes(specs: list[ParamSpec], layout: ShardLayout, fsdp_index: int) -> StateBytes:
+    """Parameters, gradients, AdamW states and FSDP2 padding of the rank at `fsdp_index` on the FSDP mesh."""
+    params = grads = optimizer = padding = experts = 0
     for spec in specs:
         if not spec.shape:
             raise ValueError(f"{spec.name}: FSDP2 cannot shard a 0-d parameter")
-        rows = shard_rows(spec.shape[0], shard_size, index) if sharded else spec.shape[0]
-        local = rows * spec.row_numel * spec.itemsize
-        pad = (padded_rows(spec.shape[0], shard_size) - rows) * spec.row_numel * spec.itemsize if sharded else 0
+        numel, storage = layout.local(spec, fsdp_index)
+        local, pad = numel * spec.itemsize, (storage - numel) * spec.itemsize
         params += local
         padding += pad
+        experts += local if spec.routed else 0
         if spec.trainable:
             grads += local
             padding += pad
             optimizer += 2 * local + ADAM_STEP_BYTES
-    return StateBytes(params, grads, optimizer, padding)
+    return StateBytes(params, grads, optimizer, padding, experts)
 
 
-def unit_bytes(specs: list[ParamSpec], shard_size: int, itemsize: int, trainable_only: bool = False) -> dict[str, int]:
-    """Unsharded (all-gathered, padded to shard_size x ceil(d0 / shard_size) rows) bytes per unit in `itemsize`."""
+def unit_bytes(
+    specs: list[ParamSpec], layout: ShardLayout, itemsize: int, trainable_only: bool = False
+) -> dict[str, int]:
+    """Unsharded (all-gathered, padded) bytes per unit in `itemsize`. An expert unit counts with the unit around it
+    (its decoder layer): both are gathered while the layer runs."""
+    dense_units = sorted({spec.unit for spec in specs if not spec.expert and spec.unit})
     sizes: dict[str, int] = {}
     for spec in specs:
         if trainable_only and not spec.trainable:
             continue
-        rows = padded_rows(spec.shape[0], shard_size) * shard_size
-        sizes[spec.unit] = sizes.get(spec.unit, 0) + rows * spec.row_numel * itemsize
+        unit = owning_unit(spec.unit, dense_units) if spec.expert else spec.unit
+        sizes[unit] = sizes.get(unit, 0) + layout.unsharded(spec) * itemsize
     return sizes
 
 
@@ -121,8 +184,7 @@ class Transient:
 
 def transient_bytes(
     specs: list[ParamSpec],
-    shard_size: int,
-    sharded: bool,
+    layout: ShardLayout,
     compute_itemsize: int,
     reduce_itemsize: int,
     reshard_after_forward: bool,
@@ -132,14 +194,15 @@ def transient_bytes(
     FSDP2: the root unit's own parameters stay gathered for the whole step; of the other units, the one running and
     the one prefetched (taken as the two largest) are gathered, or all of them when reshard_after_forward=False. In
     backward the running unit's unsharded gradients (param dtype) are copied into a reduce-scatter buffer (reduce
-    dtype) of the same padded size. Without FSDP, bf16 autocast holds a bf16 copy of every weight from its first use
-    in forward until backward has used it.
+    dtype) of the same padded size. Under expert parallelism a layer's expert stacks are a unit of their own that
+    gathers only this rank's E/ep experts, counted with its layer. Without FSDP, bf16 autocast holds a bf16 copy of
+    every weight from its first use in forward until backward has used it.
     """
-    if not sharded:
+    if not layout.sharded:
         copies = sum(math.prod(s.shape) for s in specs) * compute_itemsize if compute_itemsize < FP32 else 0
         return Transient(copies, 0, "no FSDP: autocast keeps a param-dtype copy of every weight through the step")
-    params = unit_bytes(specs, shard_size, compute_itemsize)
-    grads = unit_bytes(specs, shard_size, compute_itemsize + reduce_itemsize, trainable_only=True)
+    params = unit_bytes(specs, layout, compute_itemsize)
+    grads = unit_bytes(specs, layout, compute_itemsize + reduce_itemsize, trainable_only=True)
     root = params.pop("", 0)
     grads.pop("", None)
     gathered = sorted(params.values(), reverse=True)

@@ -33,6 +33,7 @@ from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims, select_device
 from glm45v_fsdp.tools.estimate import (
     ACTIVATION_FORMULA,
     ActivationEstimate,
+    ShardLayout,
     activation_bytes,
     param_specs,
     state_bytes,
@@ -158,17 +159,20 @@ def memory_report(
     plan's patterns matched (the FSDP units among them).
     """
     fsdp_units = sorted({name for match in matched["fsdp"] for name in match.names})
+    expert_units = sorted({name for match in matched.get("expert_parallel", []) for name in match.names})
     plan = config.parallel.fsdp_plan
     sharded = dims.world_size > 1 or plan.cpu_offload
     shard_size = dims.fsdp_size if sharded else 1
+    layout = ShardLayout(shard_size, dims.ep, dims.efsdp, sharded)
     offloaded = sharded and plan.cpu_offload
-    specs = param_specs(model, fsdp_units)
+    routed = [f"{name}.experts" for match in matched.get("moe", []) for name in match.names]
+    specs = param_specs(model, fsdp_units, expert_units, routed)
     compute, reduce = DTYPES[plan.param_dtype].itemsize, DTYPES[plan.reduce_dtype].itemsize
-    transient = transient_bytes(specs, shard_size, sharded, compute, reduce, plan.reshard_after_forward)
+    transient = transient_bytes(specs, layout, compute, reduce, plan.reshard_after_forward)
     patches, image_text = image_patches(config, hf_config, images_per_sample, image_size, dims.cp)
     acts = activation_estimate(config, hf_config, dims, matched, patches)
     tokens = acts.base.tokens
-    per_index = [state_bytes(specs, shard_size, index, sharded) for index in range(shard_size)]
+    per_index = [state_bytes(specs, layout, index) for index in range(shard_size)]
     ranks = []
     for rank in range(dims.world_size):
         state = per_index[rank % shard_size]  # rank = replica x fsdp_size + index on the FSDP mesh
@@ -177,6 +181,7 @@ def memory_report(
             {
                 "rank": rank,
                 "params": state.params,
+                "expert_params": state.expert_params,
                 "grads": state.grads,
                 "optimizer": state.optimizer,
                 "padding": state.padding,
@@ -192,7 +197,7 @@ def memory_report(
     return {
         "fsdp_applied": sharded,
         "shard_size": shard_size,
-        "fsdp_units": len(fsdp_units) + 1,
+        "fsdp_units": len(fsdp_units) + len(expert_units) + 1,
         "cpu_offload": offloaded,
         "per_rank": ranks,
         "min": {k: min(r[k] for r in ranks) for k in keys},
@@ -271,6 +276,7 @@ def _scale(largest: int) -> tuple[str, int]:
 
 ROWS = (
     ("params", "parameters (fp32 master shards)"),
+    ("expert_params", "  of which routed experts"),
     ("grads", "gradients (fp32, trainable only)"),
     ("optimizer", "AdamW exp_avg + exp_avg_sq + step"),
     ("padding", "FSDP2 padding (param + grad storage)"),

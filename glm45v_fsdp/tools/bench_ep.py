@@ -1,0 +1,418 @@
+"""`python -m glm45v_fsdp.tools.bench ep`: expert parallelism and EP balance, every configuration a real training run.
+
+Each configuration is `torchrun --nproc_per_node R -m glm45v_fsdp.train` in its own process (same seed, data and
+weights, fp32), on a text model whose routed experts dominate the step (--hidden, --experts, --top-k,
+--moe-intermediate); with `--repeats N` every configuration runs N times, round-robin, so a drift in machine speed
+hits all of them alike. The runs, for R ranks:
+
+  ep1             EP off: FSDP all-gathers every layer's E experts on every rank, forward and backward
+  epR             EP R, alltoall dispatch (each rank holds E/R experts and computes the pairs routed to them)
+  epR_allgather   EP R, allgather dispatch
+  ep2             EP 2 on 4 ranks (efsdp 2: each EP rank's experts also sharded over 2 ranks), with --ranks 4
+  skew            epR with model.router_skew (the low-numbered experts, on the first EP rank, take most pairs)
+  skew_balance    skew + features.ep_balance (replicas of the hottest experts on the least-loaded ranks)
+  balance         epR + features.ep_balance without skew: balanced steps must cost nothing
+
+The rows compare pairs of runs: throughput (samples/s = global batch x 1000 / median ms/iter of the steps after
+--warmup, over all repeats), the CPU seconds of the ranks, peak memory per rank (allocator peak on cuda/npu, live tensor
+bytes on cpu), the expert weights one rank computes with per MoE layer (E/ep experts x 3 x hidden x moe_intermediate
+x 4 bytes: what FSDP gathers and keeps while the layer runs), the EP rank load (max/mean and coefficient of variation
+of the (token, expert) pairs each EP rank computes, before and after balance, median over steps), replicas and the MiB
+their weights moved per step, and the loss parity (mean relative error over aligned steps of the first repeat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.tools.bench_memory import _load1, execute, train_command
+
+PARITY_LIMIT = 1e-5
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Row:
+    """One comparison: the OFF run, the ON run, and what is judged."""
+
+    label: str
+    off: str
+    on: str
+    kind: str  # "ep" (EP1 -> EP n), "dispatcher", "balance_skew", "balance_even"
+
+
+@dataclass
+class RunFigures:
+    name: str
+    overrides: list[str]
+    ep: int = 1
+    losses: list[float] = field(default_factory=list)
+    ms_timed: list[float] = field(default_factory=list)
+    ms_per_iter: float = 0.0
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    global_batch_size: int = 0
+    mem_peak_max_gib: float = 0.0
+    mem_peak_avg_gib: float = 0.0
+    expert_weights_mib: float = 0.0  # per rank and MoE layer, while the layer runs
+    load: dict[str, float] = field(default_factory=dict)  # ep_load_* medians over steps
+    replicas_per_step: float = 0.0
+    replica_mib_per_step: float = 0.0
+    cpu_s: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    load_avg: list[list[float]] = field(default_factory=list)
+
+
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    text, vision = "model.config_overrides.text_config", "model.config_overrides.vision_config"
+    heads = max(1, args.hidden // 32)
+    return [
+        f"{text}.hidden_size={args.hidden}",
+        f"{text}.intermediate_size={2 * args.hidden}",
+        f"{text}.num_attention_heads={heads}",
+        f"{text}.num_key_value_heads={max(1, heads // 2)}",
+        f"{text}.head_dim=32",
+        f"{text}.rope_parameters.mrope_section=[4,2,2]",
+        f"{text}.moe_intermediate_size={args.moe_intermediate}",
+        f"{text}.n_routed_experts={args.experts}",
+        f"{text}.num_experts_per_tok={args.top_k}",
+        f"{text}.num_hidden_layers={args.text_layers}",
+        f"{text}.max_position_embeddings={max(4096, args.tokens)}",
+        f"{vision}.out_hidden_size={args.hidden}",
+    ]
+
+
+def plan_runs(args: argparse.Namespace) -> tuple[dict[str, list[str]], list[Row]]:
+    """{run name: its feature overrides} and the rows comparing them."""
+    ranks = args.ranks
+    ep = f"parallel.expert_parallel_size={ranks}"
+    skew = f"model.router_skew={args.skew}"
+    balance = ["features.ep_balance.enabled=true", f"features.ep_balance.max_dup_experts_num={args.max_dup}"]
+    runs = {
+        "ep1": [],
+        f"ep{ranks}": [ep],
+        f"ep{ranks}_allgather": [ep, "parallel.ep_plan.dispatcher=allgather"],
+        "skew": [ep, skew],
+        "skew_balance": [ep, skew, *balance],
+        "balance": [ep, *balance],
+    }
+    rows = [
+        Row(f"EP1 → EP{ranks} (alltoall)", "ep1", f"ep{ranks}", "ep"),
+        Row(f"EP{ranks}: alltoall → allgather", f"ep{ranks}", f"ep{ranks}_allgather", "dispatcher"),
+        Row(f"EP{ranks} balance off → on, skewed routing", "skew", "skew_balance", "balance_skew"),
+        Row(f"EP{ranks} balance off → on, even routing", f"ep{ranks}", "balance", "balance_even"),
+    ]
+    if ranks == 4:
+        runs["ep2"] = ["parallel.expert_parallel_size=2"]
+        rows.insert(1, Row("EP1 → EP2 (alltoall, efsdp 2)", "ep1", "ep2", "ep"))
+    return runs, rows
+
+
+def run_overrides(args: argparse.Namespace, features: list[str], output_dir: Path) -> list[str]:
+    common = [
+        f"training.device={args.device}",
+        f"training.train_iters={args.steps}",
+        f"training.log_interval={args.steps}",
+        "training.progress_bar=false",
+        "training.track_memory=true",
+        "training.micro_batch_size=1",
+        "training.gradient_accumulation_steps=1",
+        "training.lr_scheduler=constant",
+        "training.lr_warmup_ratio=0",
+        "training.min_lr=0",
+        "parallel.fsdp_plan.param_dtype=fp32",
+        "parallel.fsdp_plan.reduce_dtype=fp32",
+        "data.dataset=synthetic",
+        f"data.synthetic_samples={max(8, args.steps * args.ranks)}",
+        f"data.synthetic_text_tokens={args.tokens}",
+        f"data.cutoff_len={args.tokens}",
+        f"data.synthetic_images_per_sample={args.images}",
+        "data.packing=false",
+        f"training.output_dir={output_dir}",
+    ]
+    return common + model_overrides(args) + features + list(args.overrides)
+
+
+def expert_weights_mib(args: argparse.Namespace, ep: int) -> float:
+    """One MoE layer's expert weights a rank computes with (fp32): E/ep experts of gate, up and down projections."""
+    return args.experts // ep * 3 * args.hidden * args.moe_intermediate * 4 / MIB
+
+
+def summarise(run: RunFigures, repeats: list[list[dict]], warmup: int, args: argparse.Namespace) -> None:
+    first = repeats[0]
+    run.losses = [r["loss"] for r in first]
+    run.global_batch_size = first[-1]["global_batch_size"]
+    timed = [r for records in repeats for r in records if r["step"] > warmup]
+    run.ms_timed = [r["ms_per_iter"] for r in timed]
+    run.ms_per_iter = statistics.median(run.ms_timed)
+    run.samples_per_s = run.global_batch_size * 1000.0 / run.ms_per_iter
+    run.tokens_per_s = statistics.median(r["tokens"] for r in timed) * 1000.0 / run.ms_per_iter
+    ranks = len(first[0]["mem_peak_per_rank_gib"])
+    per_rank = [max(r["mem_peak_per_rank_gib"][i] for records in repeats for r in records) for i in range(ranks)]
+    run.mem_peak_max_gib, run.mem_peak_avg_gib = max(per_rank), statistics.fmean(per_rank)
+    run.expert_weights_mib = expert_weights_mib(args, run.ep)
+    keys = [k for k in timed[0] if k.startswith("ep_load_")]
+    run.load = {key: statistics.median(r[key] for r in timed) for key in keys}
+    if "ep_replicas" in timed[0]:
+        run.replicas_per_step = statistics.median(r["ep_replicas"] for r in timed)
+        run.replica_mib_per_step = statistics.median(r["ep_replica_mib"] for r in timed)
+
+
+def _change(on: float, off: float) -> float:
+    return (on / off - 1.0) * 100.0 if off else float("nan")
+
+
+def compare(row: Row, off: RunFigures, on: RunFigures, args: argparse.Namespace) -> dict[str, Any]:
+    pairs = [(t, r) for t, r in zip(on.losses, off.losses) if t is not None and r is not None]
+    rel = [abs(t - r) / (abs(r) + 1e-8) for t, r in pairs]
+    result: dict[str, Any] = {
+        "label": row.label,
+        "kind": row.kind,
+        "off_run": off.name,
+        "on_run": on.name,
+        "loss_mean_rel_err": statistics.fmean(rel) if rel else float("nan"),
+        "ms_per_iter": [off.ms_per_iter, on.ms_per_iter],
+        "samples_per_s": [off.samples_per_s, on.samples_per_s],
+        "tokens_per_s": [off.tokens_per_s, on.tokens_per_s],
+        "throughput_change_pct": _change(on.samples_per_s, off.samples_per_s),
+        "cpu_s_per_run": [statistics.median(off.cpu_s), statistics.median(on.cpu_s)],
+        "peak_max_gib": [off.mem_peak_max_gib, on.mem_peak_max_gib],
+        "peak_avg_gib": [off.mem_peak_avg_gib, on.mem_peak_avg_gib],
+        "expert_weights_mib": [off.expert_weights_mib, on.expert_weights_mib],
+        "load_max_over_mean": [on.load.get("ep_load_max_over_mean_before"), on.load.get("ep_load_max_over_mean_after")],
+        "load_cv": [on.load.get("ep_load_cv_before"), on.load.get("ep_load_cv_after")],
+        "replicas_per_step": on.replicas_per_step,
+        "replica_mib_per_step": on.replica_mib_per_step,
+    }
+    failures = [] if result["loss_mean_rel_err"] <= PARITY_LIMIT else ["loss parity"]
+    if row.kind == "ep":
+        result["target"] = "throughput ≥ EP1; expert weights per rank = 1/ep"
+        if not result["throughput_change_pct"] >= 0:
+            failures.append("throughput")
+    elif row.kind == "balance_skew":
+        result["target"] = "max/mean ≤ 1.10, CV ≤ 0.05, throughput above balance off"
+        mom, cv = result["load_max_over_mean"][1], result["load_cv"][1]
+        if mom is None or mom > 1.10 or cv > 0.05:
+            failures.append("rank load")
+        if not result["throughput_change_pct"] > 0:
+            failures.append("throughput")
+    elif row.kind == "balance_even":
+        result["target"] = f"no replica, ms/iter within {args.even_tolerance_pct:g}%"
+        if on.replicas_per_step != 0:
+            failures.append("replicas on balanced steps")
+        if abs(_change(on.ms_per_iter, off.ms_per_iter)) > args.even_tolerance_pct:
+            failures.append("time")
+    else:
+        result["target"] = "parity (reported)"
+    result["pass"] = not failures
+    result["result"] = "pass" if not failures else "FAIL: " + ", ".join(failures)
+    return result
+
+
+COLUMNS = (
+    "comparison",
+    "runs off→on",
+    "loss mean rel err",
+    "ms/iter off→on",
+    "samples/s off→on",
+    "throughput",
+    "peak max / avg GiB off→on",
+    "expert MiB per rank+layer off→on",
+    "EP rank load max/mean (CV) before→after",
+    "replicas / MiB per step",
+    "target",
+    "result",
+)
+
+
+def _pair(values: list[float], fmt: str) -> str:
+    return " → ".join(fmt.format(v) for v in values)
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    mom, cv = row["load_max_over_mean"], row["load_cv"]
+    load = "–" if mom[0] is None else f"{mom[0]:.3f} ({cv[0]:.3f}) → {mom[1]:.3f} ({cv[1]:.3f})"
+    peaks = f"{_pair(row['peak_max_gib'], '{:.4f}')} / {_pair(row['peak_avg_gib'], '{:.4f}')}"
+    return [
+        row["label"],
+        f"{row['off_run']} → {row['on_run']}",
+        f"{row['loss_mean_rel_err']:.2e}",
+        _pair(row["ms_per_iter"], "{:.1f}"),
+        _pair(row["samples_per_s"], "{:.2f}"),
+        f"{row['throughput_change_pct']:+.1f}%",
+        peaks,
+        _pair(row["expert_weights_mib"], "{:.2f}"),
+        load,
+        f"{row['replicas_per_step']:g} / {row['replica_mib_per_step']:.2f}",
+        row["target"],
+        row["result"],
+    ]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"# Expert parallelism and EP balance ({report['device']}, {report['ranks']} ranks)",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+        *["| " + " | ".join(_cells(row)) + " |" for row in report["rows"]],
+        "",
+        *[f"- {note}" for note in report["notes"]],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def notes(args: argparse.Namespace, runs: dict[str, RunFigures]) -> list[str]:
+    loads = [value for run in runs.values() for pair in run.load_avg for value in pair]
+    cpu = "; ".join(f"{name} {statistics.median(run.cpu_s):.1f} s" for name, run in runs.items())
+    return [
+        f"model: text hidden {args.hidden}, {args.text_layers} layers (1 dense), {args.experts} routed experts top-"
+        f"{args.top_k} (moe_intermediate {args.moe_intermediate}) + 1 shared; {args.tokens} tokens per rank per step "
+        f"(one sample, {args.images} image(s)); fp32; micro batch 1 per rank.",
+        f"ms/iter: median of steps {args.warmup + 1}-{args.steps} over {args.repeats} repeat(s) per run "
+        f"(round-robin); samples/s = global batch x 1000 / that median.",
+        f"skewed routing: model.router_skew={args.skew} (a test knob: adds skew x (E-1-e)/(E-1) to expert e's "
+        f"selection score); balance: max_dup_experts_num={args.max_dup}, trigger 1.1, target 1.02 (the defaults).",
+        "peak memory: "
+        + ("allocator peak" if args.device != "cpu" else "live tensor bytes (CPU tracker)")
+        + "; each rank's peak over all steps and repeats, then max / mean over ranks.",
+        "expert MiB per rank+layer: the expert weights one rank gathers and computes with while an MoE layer runs "
+        "(E/ep experts); the persistent expert state per rank (parameters, gradients, Adam) is 1/(dp_shard x cp) of "
+        "the experts with or without EP.",
+        f"CPU seconds per run (user + sys of all ranks, start-up included; median over repeats): {cpu}.",
+        "machine load (1-min average) around the runs: "
+        + (f"{min(loads):.2f}–{max(loads):.2f}" if loads else "n/a")
+        + f"; OMP_NUM_THREADS per rank: {args.threads}.",
+    ]
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> None:
+    from glm45v_fsdp.tools.chart import bar_chart
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ep.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "ep.md").write_text(markdown(report))
+    groups, chart_notes = [], []
+    for row in report["rows"]:
+        groups.append((f"{row['label']}: samples/s", row["samples_per_s"]))
+        chart_notes.append(f"{row['throughput_change_pct']:+.1f}%")
+    for row in report["rows"]:
+        if row["kind"] == "ep":
+            groups.append((f"{row['label']}: expert MiB/rank/layer", row["expert_weights_mib"]))
+            chart_notes.append(f"x{row['expert_weights_mib'][1] / row['expert_weights_mib'][0]:.2f}")
+        if row["kind"] == "balance_skew":
+            groups.append((f"{row['label']}: rank load max/mean", row["load_max_over_mean"]))
+            chart_notes.append(f"CV {row['load_cv'][0]:.2f} -> {row['load_cv'][1]:.2f}")
+    bar_chart(
+        groups,
+        series=("OFF", "ON"),
+        title=f"Expert parallelism and EP balance — {report['device']}, {report['ranks']} ranks",
+        value_format="{:.3g}",
+        notes=chart_notes,
+        path=out / "ep.png",
+    )
+
+
+def run_ep(args: argparse.Namespace) -> dict[str, Any]:
+    features, rows = plan_runs(args)
+    out = args.out
+    runs = {name: RunFigures(name, feats, ep=_ep_of(feats)) for name, feats in features.items() if _used(name, rows)}
+    records: dict[str, list[list[dict]]] = {name: [] for name in runs}
+    total, count = len(runs) * args.repeats, 0
+    for repeat in range(args.repeats):
+        for name, run in runs.items():
+            count += 1
+            run_dir = out / "runs" / (name if repeat == 0 else f"{name}.r{repeat + 1}")
+            load_before = _load1()
+            print(f"[{count}/{total}] {name} (repeat {repeat + 1}/{args.repeats}), load {load_before:.2f}", flush=True)
+            command = train_command(args.ranks, run_overrides(args, run.overrides, run_dir))
+            run_records, wall, cpu = execute(name, command, run_dir, args.run_timeout, args.threads, bench="bench ep")
+            records[name].append(run_records)
+            run.load_avg.append([load_before, _load1()])
+            run.wall_s.append(round(wall, 1))
+            run.cpu_s.append(round(cpu, 1))
+    for name, run in runs.items():
+        summarise(run, records[name], args.warmup, args)
+    report = {
+        "benchmark": "ep",
+        "device": args.device,
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
+        "rows": [compare(row, runs[row.off], runs[row.on], args) for row in rows],
+        "notes": notes(args, runs),
+        "runs": {name: asdict(run) for name, run in runs.items()},
+    }
+    write_outputs(report, out)
+    print(markdown(report))
+    print(f"bench ep: wrote {out / 'ep.md'}, {out / 'ep.json'} and {out / 'ep.png'}")
+    return report
+
+
+def _ep_of(features: list[str]) -> int:
+    sizes = [int(item.split("=", 1)[1]) for item in features if item.startswith("parallel.expert_parallel_size=")]
+    return sizes[-1] if sizes else 1
+
+
+def _used(name: str, rows: list[Row]) -> bool:
+    return any(name in (row.off, row.on) for row in rows)
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "ep",
+        help="expert parallelism: EP1 vs EP n, alltoall vs allgather, EP balance under skewed and even routing",
+        description="Expert-parallel training runs side by side, each in its own process.",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    parser.add_argument("--ranks", type=int, choices=(2, 4), default=2, help="processes per run (torchrun)")
+    parser.add_argument("--steps", type=int, default=12, help="training steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of ms/iter")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, round-robin")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens of each rank's micro batch (one sample)")
+    parser.add_argument("--images", type=int, default=2, help="synthetic 56 px images per sample")
+    parser.add_argument("--hidden", type=int, default=256, help="text hidden size (heads of 32 dims)")
+    parser.add_argument("--text-layers", type=int, default=4, help="text layers (the first is dense)")
+    parser.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer")
+    parser.add_argument("--top-k", type=int, default=4, help="experts per token")
+    parser.add_argument("--moe-intermediate", type=int, default=512, help="each expert's intermediate size")
+    parser.add_argument("--skew", type=float, default=0.3, help="model.router_skew of the skewed-routing runs")
+    parser.add_argument("--max-dup", type=int, default=2, help="features.ep_balance.max_dup_experts_num")
+    parser.add_argument(
+        "--even-tolerance-pct", type=float, default=3.0, help="balance on even routing: allowed ms/iter change (%%)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("output/bench/ep"), help="output directory")
+    parser.add_argument("--run-timeout", type=float, default=None, help="seconds allowed per training run")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default: 1 with --device cpu)"
+    )
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides for every run (applied last)")
+
+
+def main_ep(args: argparse.Namespace, argv: list[str]) -> int:
+    for key in ("steps", "repeats", "tokens", "hidden", "text_layers", "experts", "top_k", "moe_intermediate"):
+        if getattr(args, key) < 1:
+            raise UserError(f"bench ep: --{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}.")
+    if not 0 <= args.warmup < args.steps:
+        raise UserError(f"bench ep: --warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}.")
+    if args.experts % args.ranks:
+        raise UserError(f"bench ep: --experts {args.experts} must be a multiple of --ranks {args.ranks}.")
+    args.argv = argv
+    if args.threads is None and args.device == "cpu":
+        args.threads = 1
+    report = run_ep(args)
+    failed = [row["label"] for row in report["rows"] if not row["pass"]]
+    if failed:
+        print(f"bench ep: below target: {', '.join(failed)}")
+    return 0
