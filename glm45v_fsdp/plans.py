@@ -244,6 +244,18 @@ class ExpertParallelPlan(Plan):
             per_layer * 2,
             f"pairs held for backward in one MoE layer's exchange ({layers} layers; transient peak of one layer)",
         )
+        balance = config.features.ep_balance
+        if balance.enabled:
+            expert = 3 * text.hidden_size * text.moe_intermediate_size * estimate.compute_itemsize
+            # full recompute drops a layer's replicas after its forward; selective keeps the exchange's output
+            full = estimate.recompute is not None and estimate.recompute[0] == "full"
+            recomputed = min(estimate.recomputed.get("moe_layer", 0), layers) if full else 0
+            holding = layers - recomputed + (1 if recomputed else 0)
+            estimate.add_term(
+                "EP balance: replica weights",
+                holding * balance.max_dup_experts_num * expert,
+                f"at most {balance.max_dup_experts_num} replica(s) per layer kept for backward in {holding} layer(s)",
+            )
 
 
 class ContextParallelPlan(Plan):

@@ -158,3 +158,60 @@ def test_memory_bench_ulysses_row_needs_even_ranks(tmp_path, monkeypatch):
     assert "training.gradient_accumulation_steps=2" in commands["recompute_ulysses_cp2"]
     (row,) = json.loads((tmp_path / "out" / "memory.json").read_text())["rows"]
     assert row["saving_max_pct"] == pytest.approx(40.0) and row["pass"]
+
+
+def test_ep_bench_runs_each_configuration_and_judges_the_rows(tmp_path, monkeypatch):
+    """EP1 vs EP2, both dispatchers, balance under skewed and natural routing: the commands each run gets, and the
+    figures and judgements the table derives from their records. The runs are faked (no processes)."""
+    from glm45v_fsdp.tools import bench, bench_ep
+
+    ms = {"ep1": 300.0, "ep2": 200.0, "ep2_allgather": 190.0, "skew": 320.0, "skew_balance": 240.0, "balance": 201.0}
+    after = {"skew_balance": 1.04}
+    commands = {}
+
+    def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench ep"):
+        commands[name] = command
+        record = {
+            "step": 1,
+            "loss": 3.0,
+            "ms_per_iter": ms[name],
+            "global_batch_size": 2,
+            "tokens": 2048,
+            "mem_peak_per_rank_gib": [1.0, 0.9] if name == "ep1" else [0.8, 0.7],
+        }
+        if name != "ep1" and "allgather" not in name:
+            before = 1.6 if name.startswith("skew") else 1.05
+            record |= {
+                "ep_load_max_over_mean_before": before,
+                "ep_load_max_over_mean_after": after.get(name, before),
+                "ep_load_cv_before": before - 1,
+                "ep_load_cv_after": after.get(name, before) - 1,
+                "ep_load_per_rank_before": [1.0, 1.0],
+                "ep_replicas": 6.0 if name == "skew_balance" else 0.0,
+                "ep_replica_mib": 9.0 if name == "skew_balance" else 0.0,
+            }
+        return [record, {**record, "step": 2}, {**record, "step": 3}], 1.0, 2.0
+
+    monkeypatch.setattr(bench_ep, "execute", fake_execute)
+    out = tmp_path / "ep"
+    argv = ["ep", "--steps", "3", "--warmup", "1", "--repeats", "1", "--out", str(out)]
+    assert bench.main(argv) == 0
+    assert sorted(commands) == sorted(ms)
+    assert not any("expert_parallel_size" in item for item in commands["ep1"])
+    assert "parallel.expert_parallel_size=2" in commands["ep2"] and "--nproc_per_node=2" in commands["ep2"]
+    assert "parallel.ep_plan.dispatcher=allgather" in commands["ep2_allgather"]
+    assert "model.router_skew=0.2" in commands["skew"] and "features.ep_balance.enabled=false" not in commands["skew"]
+    assert "features.ep_balance.max_dup_experts_num=4" in commands["skew_balance"]
+    rows = {row["on_run"]: row for row in json.loads((out / "ep.json").read_text())["rows"]}
+    assert rows["ep2"]["throughput_change_pct"] == pytest.approx(50.0) and rows["ep2"]["pass"]
+    assert rows["ep2"]["expert_weights_mib"] == [48.0, 24.0]  # 32 experts of 3 x 256 x 512 fp32, then 16
+    assert rows["skew_balance"]["load_max_over_mean"] == [1.6, 1.04] and rows["skew_balance"]["pass"]
+    assert rows["skew_balance"]["replica_mib_per_step"] == 9.0
+    assert rows["balance"]["pass"]  # +0.5% time is within the no-cost tolerance
+    assert (out / "ep.md").read_text().count("| pass |") == 4
+    with Image.open(out / "ep.png") as image:
+        assert image.format == "PNG"
+    after["skew_balance"], ms["balance"] = 1.3, 220.0  # uneven after balance, and a cost on natural routing
+    assert bench.main(argv) == 0
+    rows = {row["on_run"]: row for row in json.loads((out / "ep.json").read_text())["rows"]}
+    assert rows["skew_balance"]["result"] == "FAIL: rank load" and rows["balance"]["result"] == "FAIL: time"

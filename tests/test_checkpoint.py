@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import train
+from conftest import train, train_many
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -124,23 +124,37 @@ def test_two_rank_checkpoint_resumes_on_other_world_sizes(runs, nproc):
 EP2 = "parallel.expert_parallel_size=2"
 
 
-@pytest.mark.parametrize(
-    "name, source, nproc, ep",
-    [
-        ("ep2_to_ep1", "save2ep", 1, 1),  # and one rank
-        ("ep1_to_ep4", "save2", 4, 4),  # and four ranks
-        ("ep2_to_ep4", "save2ep", 4, 4),
-    ],
-)
-def test_expert_parallel_checkpoints_resume_at_another_ep_size(runs, name, source, nproc, ep):
+@pytest.fixture(scope="module")
+def ep_resumes(runs) -> dict[str, tuple[list[dict], list[dict], str]]:
+    """Resumes at another EP size and world size: name -> (resumed records, the saving run's records, log). The two
+    4-rank resumes share one torchrun job."""
+    ep1, ep2 = straight(runs, 2), straight_ep2(runs)
+    load = f"training.load={runs.root}/{{}}/{STEP6}"
+    four = train_many(
+        runs.root / "ep_resumes",
+        {
+            "ep1_to_ep4": [*BASE, *LAYOUT[4], load.format("save2"), "parallel.expert_parallel_size=4"],
+            "ep2_to_ep4": [*BASE, *LAYOUT[4], load.format("save2ep"), "parallel.expert_parallel_size=4"],
+        },
+        4,
+    )
+    one = runs("ep2_to_ep1", 1, [load.format("save2ep")])
+    return {
+        "ep2_to_ep1": (one.records, ep2.records, one.stdout),
+        "ep1_to_ep4": (four["ep1_to_ep4"][1], ep1.records, four["ep1_to_ep4"][0]),
+        "ep2_to_ep4": (four["ep2_to_ep4"][1], ep2.records, four["ep2_to_ep4"][0]),
+    }
+
+
+@pytest.mark.parametrize("name", ["ep2_to_ep1", "ep1_to_ep4", "ep2_to_ep4"])
+def test_expert_parallel_checkpoints_resume_at_another_ep_size(ep_resumes, name):
     """DCP holds the experts EP-sharded under their global shapes, so a checkpoint of one EP size (and world size)
     resumes at another: the next step's loss and the rest of the curve follow the run that saved it."""
-    saved = straight(runs, 2) if source == "save2" else straight_ep2(runs)
-    resumed = runs(name, nproc, [f"training.load=ROOT/{source}/{STEP6}", f"parallel.expert_parallel_size={ep}"])
-    assert [r["step"] for r in resumed.records] == list(range(7, 13))
-    assert ("[plan expert_parallel]" in resumed.stdout) == (ep > 1)
+    resumed, saved, log = ep_resumes[name]
+    assert [r["step"] for r in resumed] == list(range(7, 13))
+    assert ("[plan expert_parallel]" in log) == name.endswith("ep4")
     for key in ("loss", "grad_norm"):
-        errors = relative_errors(curve(resumed.records, key), curve(saved.records, key))
+        errors = relative_errors(curve(resumed, key), curve(saved, key))
         assert errors[0] <= 1e-6 and sum(errors) / len(errors) <= 1e-5, (key, errors)
 
 

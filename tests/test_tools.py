@@ -391,17 +391,19 @@ def test_estimate_follows_each_plan_like_the_measured_peak(tmp_path):
     """Each memory switch on the tiny model (2048 tokens, 6 layers, fp32, CPU tracker): the estimated decrease of the
     peak per rank (preflight's total) against the measured one. Offload saves nothing on the CPU (host and device
     are one memory), so for it the estimated bytes moved to the host are held against the measured ones."""
-    from conftest import train
+    from conftest import train_many
 
     measured, estimated = {}, {}
-    for name, (ranks, overrides, _) in SWITCHES.items():
-        run = [*ESTIMATE_RUN, *overrides]
-        result = train(tmp_path / name, [*run, "training.track_memory=true"], nproc=ranks)
-        assert result.returncode == 0, result.stderr[-3000:]
-        record = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
-        assert record["tokens"] == 2048 * record["global_batch_size"]
-        measured[name] = record
-        estimated[name] = preflight.build_report(preflight.parse_args(["--world-size", str(ranks), *run]))["memory"]
+    for world in sorted({ranks for ranks, _, _ in SWITCHES.values()}):
+        named = {name: [*ESTIMATE_RUN, *extra] for name, (ranks, extra, _) in SWITCHES.items() if ranks == world}
+        tracked = {name: [*run, "training.track_memory=true"] for name, run in named.items()}
+        runs = train_many(tmp_path / f"ranks{world}", tracked, world)
+        for name, run in named.items():
+            record = runs[name][1][0]
+            assert record["tokens"] == 2048 * record["global_batch_size"]
+            measured[name] = record
+            report = preflight.build_report(preflight.parse_args(["--world-size", str(world), *run]))
+            estimated[name] = report["memory"]
     for name, (_, _, reference) in SWITCHES.items():
         if reference is None:
             continue
@@ -411,3 +413,18 @@ def test_estimate_follows_each_plan_like_the_measured_peak(tmp_path):
     for name in ("offload", "recompute_offload"):
         moved, estimate = measured[name]["offload_bytes_out"], estimated[name]["activations"]["offloaded"]
         assert moved > 0 and 1 / ESTIMATE_FACTOR <= estimate / moved <= ESTIMATE_FACTOR, (name, estimate, moved)
+
+
+def test_preflight_counts_the_dispatch_buffers_and_ep_balance_replicas(capsys):
+    base = ["--config", CONFIG_106B, "--world-size", "128"]
+    balance = ["features.ep_balance.enabled=true", "features.ep_balance.max_dup_experts_num=2"]
+    terms = {}
+    for granularity in ("full", "selective"):
+        report = preflight_json(capsys, *base, *balance, f"features.recompute.granularity={granularity}")
+        terms[granularity] = {t["name"]: t["bytes"] for t in report["memory"]["activations"]["terms"]}
+    expert = 3 * 4096 * 1408 * 2  # one expert's weights in bf16
+    assert terms["full"]["EP balance: replica weights"] == 2 * expert  # one layer's replicas at a time
+    assert terms["selective"]["EP balance: replica weights"] == 45 * 2 * expert  # kept by every layer
+    assert terms["full"]["expert parallel: dispatch buffers"] == 8192 * 8 * 4096 * 2 * 2
+    plain = {t["name"] for t in preflight_json(capsys, *base)["memory"]["activations"]["terms"]}
+    assert "expert parallel: dispatch buffers" in plain and "EP balance: replica weights" not in plain

@@ -95,7 +95,7 @@ class Route:
 
 
 def plan_route(
-    counts: list[list[int]], experts_per_rank: int, max_dup: int = 0, trigger: float = 1.1, target: float = 1.02
+    counts: list[list[int]], experts_per_rank: int, max_dup: int = 0, trigger: float = 1.2, target: float = 1.02
 ) -> Route:
     """The route for count matrix `counts` [ep][E]; `max_dup` 0 = no balance (every pair to its owner)."""
     route = Route(counts, experts_per_rank)

@@ -8,7 +8,7 @@ drift in machine speed hits both). Prints the ratio ours/bare and writes it as J
 memory: OFF/ON training runs per memory switch (chunk loss, recompute, offload, combined), each in its own process;
 a table in the reference report's form as markdown and JSON, and a PNG bar chart (tools/bench_memory.py).
 
-ep: expert parallelism: EP1 vs EP n, alltoall vs allgather, EP balance under skewed and even routing, each side a
+ep: expert parallelism: EP1 vs EP n, alltoall vs allgather, EP balance under skewed and natural routing, each side a
 real training run; the same markdown / JSON / PNG outputs (tools/bench_ep.py).
 """
 

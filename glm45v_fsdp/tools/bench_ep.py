@@ -11,7 +11,7 @@ hits all of them alike. The runs, for R ranks:
   ep2             EP 2 on 4 ranks (efsdp 2: each EP rank's experts also sharded over 2 ranks), with --ranks 4
   skew            epR with model.router_skew (the low-numbered experts, on the first EP rank, take most pairs)
   skew_balance    skew + features.ep_balance (replicas of the hottest experts on the least-loaded ranks)
-  balance         epR + features.ep_balance without skew: balanced steps must cost nothing
+  balance         epR + features.ep_balance on the model's own routing (mostly below the trigger): no cost
 
 The rows compare pairs of runs: throughput (samples/s = global batch x 1000 / median ms/iter of the steps after
 --warmup, over all repeats), the CPU seconds of the ranks, peak memory per rank (allocator peak on cuda/npu, live tensor
@@ -45,7 +45,7 @@ class Row:
     label: str
     off: str
     on: str
-    kind: str  # "ep" (EP1 -> EP n), "dispatcher", "balance_skew", "balance_even"
+    kind: str  # "ep" (EP1 -> EP n), "dispatcher", "balance_skew", "balance_natural"
 
 
 @dataclass
@@ -107,7 +107,7 @@ def plan_runs(args: argparse.Namespace) -> tuple[dict[str, list[str]], list[Row]
         Row(f"EP1 → EP{ranks} (alltoall)", "ep1", f"ep{ranks}", "ep"),
         Row(f"EP{ranks}: alltoall → allgather", f"ep{ranks}", f"ep{ranks}_allgather", "dispatcher"),
         Row(f"EP{ranks} balance off → on, skewed routing", "skew", "skew_balance", "balance_skew"),
-        Row(f"EP{ranks} balance off → on, even routing", f"ep{ranks}", "balance", "balance_even"),
+        Row(f"EP{ranks} balance off → on, natural routing", f"ep{ranks}", "balance", "balance_natural"),
     ]
     if ranks == 4:
         runs["ep2"] = ["parallel.expert_parallel_size=2"]
@@ -124,6 +124,7 @@ def run_overrides(args: argparse.Namespace, features: list[str], output_dir: Pat
         "training.track_memory=true",
         "training.micro_batch_size=1",
         "training.gradient_accumulation_steps=1",
+        "training.lr=1e-5",  # a fine-tuning rate: the routing stays the one the weights give, step after step
         "training.lr_scheduler=constant",
         "training.lr_warmup_ratio=0",
         "training.min_lr=0",
@@ -158,7 +159,7 @@ def summarise(run: RunFigures, repeats: list[list[dict]], warmup: int, args: arg
     per_rank = [max(r["mem_peak_per_rank_gib"][i] for records in repeats for r in records) for i in range(ranks)]
     run.mem_peak_max_gib, run.mem_peak_avg_gib = max(per_rank), statistics.fmean(per_rank)
     run.expert_weights_mib = expert_weights_mib(args, run.ep)
-    keys = [k for k in timed[0] if k.startswith("ep_load_")]
+    keys = [k for k, v in timed[0].items() if k.startswith("ep_load_") and not isinstance(v, list)]
     run.load = {key: statistics.median(r[key] for r in timed) for key in keys}
     if "ep_replicas" in timed[0]:
         run.replicas_per_step = statistics.median(r["ep_replicas"] for r in timed)
@@ -203,11 +204,9 @@ def compare(row: Row, off: RunFigures, on: RunFigures, args: argparse.Namespace)
             failures.append("rank load")
         if not result["throughput_change_pct"] > 0:
             failures.append("throughput")
-    elif row.kind == "balance_even":
-        result["target"] = f"no replica, ms/iter within {args.even_tolerance_pct:g}%"
-        if on.replicas_per_step != 0:
-            failures.append("replicas on balanced steps")
-        if abs(_change(on.ms_per_iter, off.ms_per_iter)) > args.even_tolerance_pct:
+    elif row.kind == "balance_natural":
+        result["target"] = f"no cost: ms/iter at most {args.no_cost_tolerance_pct:g}% above balance off"
+        if _change(on.ms_per_iter, off.ms_per_iter) > args.no_cost_tolerance_pct:
             failures.append("time")
     else:
         result["target"] = "parity (reported)"
@@ -280,7 +279,7 @@ def notes(args: argparse.Namespace, runs: dict[str, RunFigures]) -> list[str]:
         f"ms/iter: median of steps {args.warmup + 1}-{args.steps} over {args.repeats} repeat(s) per run "
         f"(round-robin); samples/s = global batch x 1000 / that median.",
         f"skewed routing: model.router_skew={args.skew} (a test knob: adds skew x (E-1-e)/(E-1) to expert e's "
-        f"selection score); balance: max_dup_experts_num={args.max_dup}, trigger 1.1, target 1.02 (the defaults).",
+        f"selection score); balance: max_dup_experts_num={args.max_dup}, trigger 1.2, target 1.02 (the defaults).",
         "peak memory: "
         + ("allocator peak" if args.device != "cpu" else "live tensor bytes (CPU tracker)")
         + "; each rank's peak over all steps and repeats, then max / mean over ranks.",
@@ -372,7 +371,7 @@ def _used(name: str, rows: list[Row]) -> bool:
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser(
         "ep",
-        help="expert parallelism: EP1 vs EP n, alltoall vs allgather, EP balance under skewed and even routing",
+        help="expert parallelism: EP1 vs EP n, alltoall vs allgather, EP balance under skewed and natural routing",
         description="Expert-parallel training runs side by side, each in its own process.",
     )
     parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
@@ -384,13 +383,21 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--images", type=int, default=2, help="synthetic 56 px images per sample")
     parser.add_argument("--hidden", type=int, default=256, help="text hidden size (heads of 32 dims)")
     parser.add_argument("--text-layers", type=int, default=4, help="text layers (the first is dense)")
-    parser.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer")
-    parser.add_argument("--top-k", type=int, default=4, help="experts per token")
+    parser.add_argument("--experts", type=int, default=32, help="routed experts per MoE layer")
+    parser.add_argument("--top-k", type=int, default=8, help="experts per token")
     parser.add_argument("--moe-intermediate", type=int, default=512, help="each expert's intermediate size")
-    parser.add_argument("--skew", type=float, default=0.3, help="model.router_skew of the skewed-routing runs")
-    parser.add_argument("--max-dup", type=int, default=2, help="features.ep_balance.max_dup_experts_num")
     parser.add_argument(
-        "--even-tolerance-pct", type=float, default=3.0, help="balance on even routing: allowed ms/iter change (%%)"
+        "--skew",
+        type=float,
+        default=0.2,
+        help="model.router_skew of the skewed-routing runs (0.2: EP rank load max/mean about 1.6 on 2 ranks)",
+    )
+    parser.add_argument("--max-dup", type=int, default=4, help="features.ep_balance.max_dup_experts_num")
+    parser.add_argument(
+        "--no-cost-tolerance-pct",
+        type=float,
+        default=3.0,
+        help="balance on the model's own routing: allowed ms/iter increase over balance off (%%)",
     )
     parser.add_argument("--out", type=Path, default=Path("output/bench/ep"), help="output directory")
     parser.add_argument("--run-timeout", type=float, default=None, help="seconds allowed per training run")
