@@ -40,21 +40,25 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+def torchrun(nproc: int, *target: str) -> list[str]:
+    """torchrun on `nproc` local ranks with a free rendezvous port, running `target` (a script or -m module)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        *target,
+    ]
+
+
 def train(output_dir: Path, overrides: list[str], nproc: int = 1, env: dict | None = None):
     """`python -m glm45v_fsdp.train` (under torchrun when nproc > 1) writing to output_dir."""
     if nproc == 1:
         command = [sys.executable, "-m", "glm45v_fsdp.train"]
     else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-            "-m",
-            "glm45v_fsdp.train",
-        ]
+        command = torchrun(nproc, "-m", "glm45v_fsdp.train")
     command += [f"training.output_dir={output_dir}", "training.progress_bar=false", *overrides]
     return subprocess.run(command, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=600)
 
@@ -71,16 +75,7 @@ def train_many(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str, 
         items.append({"argv": argv, "log": str(output_dir / "train.log")})
     spec = root / "runs.json"
     spec.write_text(json.dumps(items))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-        str(REPO / "tests" / "multi_run.py"),
-        str(spec),
-    ]
+    command = torchrun(nproc, str(REPO / "tests" / "multi_run.py"), str(spec))
     result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {

@@ -66,22 +66,16 @@ def apply_fsdp(
     selected = sorted(selected_names - set(expert_units), key=lambda n: -n.count("."))
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan.param_dtype], reduce_dtype=DTYPES[plan.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if plan.cpu_offload else OffloadPolicy()
-    for name in expert_units:
+    units = [(name, expert_mesh, lambda param: Shard(1)) for name in expert_units]
+    units += [(name, mesh, None) for name in selected]
+    for name, unit_mesh, placement in units:
         fully_shard(
             present[name],
-            mesh=expert_mesh,
+            mesh=unit_mesh,
             mp_policy=policy,
             offload_policy=offload,
             reshard_after_forward=plan.reshard_after_forward,
-            shard_placement_fn=lambda param: Shard(1),
-        )
-    for name in selected:
-        fully_shard(
-            present[name],
-            mesh=mesh,
-            mp_policy=policy,
-            offload_policy=offload,
-            reshard_after_forward=plan.reshard_after_forward,
+            shard_placement_fn=placement,
         )
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
     for module in model.modules():

@@ -170,9 +170,10 @@ def shape_overrides(shape: str, args: argparse.Namespace) -> list[str]:
     return shaped
 
 
-def run_overrides(spec: RunSpec, args: argparse.Namespace, output_dir: Path) -> list[str]:
-    """Everything a run is given: the common settings, its shape, its features, then the user's overrides."""
-    common = [
+def common_overrides(args: argparse.Namespace, output_dir: Path) -> list[str]:
+    """What every benchmark run shares (`bench memory` and `bench ep`): fp32, micro batch 1 without accumulation, a
+    constant lr, memory tracked, one synthetic sample of --tokens (with --images pictures) per rank and step."""
+    return [
         f"training.device={args.device}",
         f"training.train_iters={args.steps}",
         f"training.log_interval={args.steps}",
@@ -193,6 +194,11 @@ def run_overrides(spec: RunSpec, args: argparse.Namespace, output_dir: Path) -> 
         "data.packing=false",
         f"training.output_dir={output_dir}",
     ]
+
+
+def run_overrides(spec: RunSpec, args: argparse.Namespace, output_dir: Path) -> list[str]:
+    """Everything a run is given: the common settings, its shape, its features, then the user's overrides."""
+    common = common_overrides(args, output_dir)
     return common + shape_overrides(spec.shape, args) + list(spec.features) + list(args.overrides)
 
 
