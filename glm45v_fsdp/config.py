@@ -619,12 +619,6 @@ def validate(config: Config) -> None:
                 )
     for key in ("data_parallel_replicate_size", "ulysses_parallel_size", "ring_attention_size", "expert_parallel_size"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "an integer >= 1")
-    if p.ring_attention_size != 1:
-        raise ConfigError(
-            f"Config key 'parallel.ring_attention_size' = {p.ring_attention_size} is not supported by this version "
-            f"yet: Ring attention is not implemented (context parallelism is available as "
-            f"parallel.ulysses_parallel_size). Set parallel.ring_attention_size=1."
-        )
     _require(bool(p.ep_plan.apply_modules), "parallel.ep_plan.apply_modules", [], "a non-empty list of patterns")
     _require(config.model.router_skew >= 0, "model.router_skew", config.model.router_skew, ">= 0")
     balance = config.features.ep_balance

@@ -39,7 +39,8 @@ from glm45v_fsdp.parallel.context import LANGUAGE_MODEL, Ulysses, apply_context_
 from glm45v_fsdp.parallel.expert import apply_expert_parallel, check_expert_parallel, expert_sharded_modules
 from glm45v_fsdp.parallel.fsdp import apply_fsdp, is_sharded
 from glm45v_fsdp.parallel.plan import PlanMatch, format_matches, match_modules
-from glm45v_fsdp.parallel.sequence import SplitSequence
+from glm45v_fsdp.parallel.ring import Ring, choose_block_kernel
+from glm45v_fsdp.parallel.sequence import SplitSequence, ZigzagSequence
 from glm45v_fsdp.runtime import DeviceLayer, ParallelDims, ParallelMeshes
 from glm45v_fsdp.tools.estimate import ActivationEstimate, loss_peak_bytes
 
@@ -259,29 +260,48 @@ class ExpertParallelPlan(Plan):
 
 
 class ContextParallelPlan(Plan):
-    name, key = "context_parallel", "parallel.ulysses_parallel_size"
+    name, key = "context_parallel", "parallel.ulysses_parallel_size / parallel.ring_attention_size"
 
     def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
         return dims.cp_enabled
 
     def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
         kernel = ctx.config.model.attn_implementation
-        check_context_parallel(ctx.hf_config, ctx.dims.cp_ulysses, kernel)
+        dims = ctx.dims
+        check_context_parallel(ctx.hf_config, dims.cp_ulysses, kernel, dims.cp_ring)
         if ctx.dry:
             return match_modules(model, [LANGUAGE_MODEL], self.key)
         meshes = ctx.meshes
         pad_token_id = ctx.hf_config.text_config.pad_token_id or 0
-        layout = SplitSequence(meshes.cp.get_group(), ctx.dims.cp, meshes.cp.get_local_rank(), pad_token_id)
-        ulysses = Ulysses(meshes.cp_ulysses.get_group(), ctx.dims.cp_ulysses, kernel)
-        matches = apply_context_parallel(model, layout, ulysses)
-        get_logger().info(ulysses.describe())
+        ulysses = Ulysses(meshes.cp_ulysses.get_group(), dims.cp_ulysses, kernel)
+        ring = None
+        if dims.cp_ring_enabled:
+            ring_rank, ulysses_rank = meshes.cp_ring.get_local_rank(), meshes.cp_ulysses.get_local_rank()
+            layout = ZigzagSequence(
+                meshes.cp.get_group(), dims.cp_ring, ring_rank, dims.cp_ulysses, ulysses_rank, pad_token_id
+            )
+            ring = Ring(
+                meshes.cp_ring.get_group(), dims.cp_ring, ring_rank, choose_block_kernel(kernel, ctx.device.type)
+            )
+        else:
+            layout = SplitSequence(meshes.cp.get_group(), dims.cp, meshes.cp.get_local_rank(), pad_token_id)
+        matches = apply_context_parallel(model, layout, ulysses, ring)
+        if dims.cp_ulysses_enabled:
+            get_logger().info(ulysses.describe())
+        if ring is not None:
+            get_logger().info("%s; sequence layout %s", ring.describe(), layout.describe())
         return matches
 
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
-        return (
-            f"each sequence split over {dims.cp} ranks; attention exchanges heads <-> sequence over "
-            f"{dims.cp_ulysses} (Ulysses, kernel {config.model.attn_implementation})"
-        )
+        parts = []
+        if dims.cp_ulysses_enabled:
+            parts.append(
+                f"attention exchanges heads <-> sequence over {dims.cp_ulysses} (Ulysses, kernel "
+                f"{config.model.attn_implementation})"
+            )
+        if dims.cp_ring_enabled:
+            parts.append(f"key/value blocks go round a ring of {dims.cp_ring} (Ring attention, zigzag layout)")
+        return f"each sequence split over {dims.cp} ranks; " + "; ".join(parts)
 
     def estimate(
         self, estimate: ActivationEstimate, config: Config, dims: ParallelDims, hf_config: object, matches: list

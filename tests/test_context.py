@@ -213,8 +213,6 @@ def test_checks_name_the_key():
         check_context_parallel(hf6, 6, "sdpa")
     with pytest.raises(UserError, match="'model.attn_implementation' = 'flash_attention_2' is not supported"):
         check_context_parallel(hf, 2, "flash_attention_2")
-    with pytest.raises(UserError, match="'parallel.ring_attention_size' = 2 is not supported by this version yet"):
-        load_config(None, ["parallel.ring_attention_size=2"])
     assert load_config(None, ["parallel.ulysses_parallel_size=2"]).parallel.ulysses_parallel_size == 2
 
 

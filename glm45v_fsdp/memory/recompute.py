@@ -10,8 +10,9 @@ recomputation runs in backward. Granularity:
     MiB per layer and spares backward the most expensive recomputation (at 8192 tokens on the tiny model: +21% time
     per step when attention is recomputed, ~0% when it is kept; peak memory -73% vs -69%; docs/memory.md);
   - selective: the outputs of matrix multiplies, grouped expert GEMMs, attention kernels, the router's top-k and
-    context parallelism's all-to-alls are kept, the cheap element-wise work (norms, activations, rotary) is
-    recomputed. Full recompute runs the all-to-alls again in backward (they are part of the forward it replays).
+    context parallelism's all-to-alls and ring are kept, the cheap element-wise work (norms, activations, rotary) is
+    recomputed. Full recompute runs the all-to-alls again in backward (they are part of the forward it replays);
+    the ring is an attention op, so full recompute keeps it with keep_attention and replays it without.
 The router is deterministic (sigmoid scores + top-k, no sampling), so the recomputed forward routes every token to the
 same experts; the selective policy keeps the top-k result itself.
 """
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from glm45v_fsdp.config import RecomputeConfig
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
+from glm45v_fsdp.parallel.ring import RING_ATTENTION_OP
 
 _ATEN = torch.ops.aten
 
@@ -46,8 +48,9 @@ def _existing_ops(names: list[tuple[str, str]]) -> set[Any]:
 
 
 # Attention kernels below autograd, as a selective-checkpoint policy sees them: sdpa's CPU / CUDA / out-of-tree
-# (NPU: privateuse1) back ends, and flash-attn's custom ops when that package is installed and loaded.
-ATTENTION_OPS = _existing_ops(
+# (NPU: privateuse1) back ends, flash-attn's custom ops when that package is installed and loaded, and Ring
+# attention's op (the whole ring: keeping its outputs keeps backward from running the forward ring again).
+ATTENTION_OPS = {RING_ATTENTION_OP} | _existing_ops(
     [
         ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
         ("aten", "_scaled_dot_product_efficient_attention"),

@@ -1,21 +1,27 @@
-"""Ulysses context parallelism (CP) for the language model: the sequence is split over the cp mesh.
+"""Context parallelism (CP) for the language model: Ulysses, Ring attention, or both (hybrid u x r).
 
-The sequence layout (parallel/sequence.py) gives each CP rank a slice of every micro batch's tokens for the decoder
-layers, the final norm and the loss. Inside attention, an all-to-all turns [B, heads, S/cp, D] into
-[B, heads/cp, S, D] (every rank sees the whole sequence for a slice of the heads), the configured attention kernel
-runs unchanged on it with the full-sequence mask, and a second all-to-all turns the output back into
-[B, S/cp, heads, D]. Everything else in a layer (norms, rotary, the MoE block) is per token and runs on the local
-slice. What runs on every CP rank in full: token embedding, the merge of the image features, and the causal / packed
-/ padding mask (the rotary positions and the embeddings are then sharded by the layout).
+The sequence layout (parallel/sequence.py) gives each CP rank a part of every micro batch's tokens for the decoder
+layers, the final norm and the loss: a contiguous slice under Ulysses alone, the zigzag ring block's slice with Ring.
+Everything in a layer but attention (norms, rotary, the MoE block) is per token and runs on the local part. What runs
+on every CP rank in full: token embedding, the merge of the image features, and the mask: the causal / packed /
+padding mask under Ulysses alone, the ring's pieces of work (parallel/ring.py, O(samples) integers) with Ring.
 
-The exchanges are torch's functional collectives (`all_to_all_single_autograd`): autograd-aware ops that a selective
-recompute policy can keep (memory/recompute.py keeps them), so backward does not exchange again. Key/value heads:
-when there are at least as many as CP ranks they are split like the query heads and the kernel repeats them for
-GQA after the exchange; with fewer, each rank needs one key/value head for the whole sequence, which the exchange
-delivers from every rank's slice (a head is repeated once per rank that needs it: the bytes any scheme must move).
+Attention, after rotary:
+  - Ulysses (u ranks): an all-to-all turns [B, heads, S/u, D] into [B, heads/u, S, D] (every rank sees the whole
+    sequence, or its whole ring block, for a slice of the heads); a second one turns the output back.
+  - Ring (r ranks): the rank's queries against every ring block, key/value blocks passed around the ring
+    (parallel/ring.py); under hybrid, inside the Ulysses all-to-alls.
+  - Neither in attention (Ulysses only): the configured kernel (sdpa or eager) runs unchanged with the full mask.
+
+The Ulysses exchanges are torch's functional collectives (`all_to_all_single_autograd`) and the ring is one custom op:
+ops a selective recompute policy can keep (memory/recompute.py keeps them), so backward does not exchange again.
+Key/value heads under Ulysses: when there are at least as many as Ulysses ranks they are split like the query heads;
+with fewer, each rank needs one key/value head for the whole sequence, which the exchange delivers from every
+rank's slice (a head is repeated once per rank that needs it: the bytes any scheme must move). The ring sends the
+key/value heads it holds as they are.
 
 The plan (`apply_context_parallel`) patches `model.language_model.forward` and gives every text attention module its
-own config naming the registered "glm45v_ulysses" attention, which wraps the configured kernel (sdpa or eager).
+own config naming the registered "glm45v_context" attention.
 """
 
 from __future__ import annotations
@@ -37,16 +43,17 @@ from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextAttenti
 
 from glm45v_fsdp.errors import ConfigError
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
-from glm45v_fsdp.parallel.sequence import SplitSequence
+from glm45v_fsdp.parallel.ring import Ring, ring_attention, ring_pieces, sequence_segments
+from glm45v_fsdp.parallel.sequence import SplitSequence, ZigzagSequence
 
-ULYSSES_ATTENTION = "glm45v_ulysses"
-CP_KERNELS = ("sdpa", "eager")  # attention kernels the Ulysses wrapper has been verified with
+CONTEXT_ATTENTION = "glm45v_context"
+CP_KERNELS = ("sdpa", "eager")  # attention kernels context parallelism has been verified with
 LANGUAGE_MODEL = "model.language_model"
 
 
 @dataclass(frozen=True)
 class Ulysses:
-    """The head <-> sequence exchange of one CP group and the attention kernel it wraps."""
+    """The head <-> sequence exchange of one Ulysses group (size 1: none) and the attention kernel it wraps."""
 
     group: dist.ProcessGroup
     size: int
@@ -80,7 +87,7 @@ class _LocalHeads:
         return getattr(self._module, name)
 
 
-def ulysses_attention(
+def context_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -89,21 +96,45 @@ def ulysses_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The registered attention function: query/key/value [B, heads, S/cp, D] (rotary applied) -> output
-    [B, S/cp, heads, D], with `attention_mask` built for the full sequence."""
+    [B, S/cp, heads, D]. `attention_mask` is the full sequence's mask, or the ring's pieces under Ring."""
     ulysses: Ulysses = module.ulysses
-    kv_heads = key.shape[1]
-    if kv_heads % ulysses.size:  # fewer key/value heads than CP ranks: each rank receives the one it needs
-        key = key.repeat_interleave(ulysses.size // kv_heads, dim=1)
-        value = value.repeat_interleave(ulysses.size // kv_heads, dim=1)
-    query, key, value = (all_to_all(t, 1, 2, ulysses) for t in (query, key, value))
-    groups = query.shape[1] // key.shape[1]
-    kernel_module = module if groups == module.num_key_value_groups else _LocalHeads(module, groups)
-    kernel = ALL_ATTENTION_FUNCTIONS.get_interface(ulysses.kernel, eager_attention_forward)
-    output, _ = kernel(kernel_module, query, key, value, attention_mask, **kwargs)  # [B, S, heads/cp, D]
-    return all_to_all(output, 1, 2, ulysses), None
+    ring: Ring | None = module.ring
+    if ulysses.size > 1:
+        kv_heads = key.shape[1]
+        if kv_heads % ulysses.size:  # fewer key/value heads than Ulysses ranks: each rank receives the one it needs
+            key = key.repeat_interleave(ulysses.size // kv_heads, dim=1)
+            value = value.repeat_interleave(ulysses.size // kv_heads, dim=1)
+        query, key, value = (all_to_all(t, 1, 2, ulysses) for t in (query, key, value))
+    if ring is not None:
+        output = ring_attention(query, key, value, attention_mask, ring, kwargs["scaling"])
+    else:
+        groups = query.shape[1] // key.shape[1]
+        kernel_module = module if groups == module.num_key_value_groups else _LocalHeads(module, groups)
+        kernel = ALL_ATTENTION_FUNCTIONS.get_interface(ulysses.kernel, eager_attention_forward)
+        output, _ = kernel(kernel_module, query, key, value, attention_mask, **kwargs)  # [B, S, heads/u, D]
+    if ulysses.size > 1:
+        output = all_to_all(output, 1, 2, ulysses)
+    return output, None
 
 
-AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention)
+AttentionInterface.register(CONTEXT_ATTENTION, context_attention)
+
+
+def ring_mask(
+    layout: ZigzagSequence, length: int, attention_mask: torch.Tensor | None, text_positions: torch.Tensor | None
+) -> torch.Tensor:
+    """The ring's pieces of work for this micro batch (host integers: one device-to-host copy of the mask and the
+    packed positions per micro batch, none per layer)."""
+    masks = attention_mask.tolist() if attention_mask is not None else None
+    positions = text_positions.tolist() if text_positions is not None else None
+    batch = len(masks) if masks is not None else (len(positions) if positions is not None else 1)
+    rows = [
+        sequence_segments(
+            length, masks[row] if masks is not None else None, positions[row] if positions is not None else None
+        )
+        for row in range(batch)
+    ]
+    return ring_pieces(length, layout.ring, layout.ring_rank, rows)
 
 
 def _language_model_forward(
@@ -128,13 +159,16 @@ def _language_model_forward(
         text_position_ids, position_ids = position_ids[0], position_ids[1:]
     else:
         text_position_ids = None
-    mask = create_causal_mask(
-        config=module.config,
-        inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        cache=None,
-        position_ids=text_position_ids,
-    )
+    if isinstance(layout, ZigzagSequence):
+        mask = ring_mask(layout, inputs_embeds.shape[1], attention_mask, text_position_ids)
+    else:
+        mask = create_causal_mask(
+            config=module.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=None,
+            position_ids=text_position_ids,
+        )
     hidden = layout.shard(inputs_embeds, dim=1)
     position_ids = layout.shard(position_ids, dim=2)
     position_embeddings = module.rotary_emb(hidden, position_ids)
@@ -145,8 +179,9 @@ def _language_model_forward(
     return MoeModelOutputWithPast(last_hidden_state=module.norm(hidden))
 
 
-def check_context_parallel(hf_config: Any, ulysses: int, kernel: str) -> None:
-    """ConfigError when the model's heads or the attention kernel cannot be split `ulysses` ways."""
+def check_context_parallel(hf_config: Any, ulysses: int, kernel: str, ring: int = 1) -> None:
+    """ConfigError when the model's heads cannot be split `ulysses` ways or the attention kernel is not one CP
+    supports. Ring attention puts no condition on the heads (every ring rank computes all of its block's heads)."""
     text = hf_config.text_config
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     if heads % ulysses:
@@ -163,23 +198,29 @@ def check_context_parallel(hf_config: Any, ulysses: int, kernel: str) -> None:
         )
     if kernel not in CP_KERNELS:
         raise ConfigError(
-            f"Config key 'model.attn_implementation' = {kernel!r} is not supported with Ulysses context parallelism "
-            f"(parallel.ulysses_parallel_size = {ulysses}) yet: its packed-sequence path reads per-rank position ids. "
-            f"Set model.attn_implementation to one of {', '.join(CP_KERNELS)}."
+            f"Config key 'model.attn_implementation' = {kernel!r} is not supported with context parallelism "
+            f"(parallel.ulysses_parallel_size = {ulysses}, parallel.ring_attention_size = {ring}) yet: its "
+            f"packed-sequence path reads per-rank position ids. Set model.attn_implementation to one of "
+            f"{', '.join(CP_KERNELS)}."
         )
 
 
-def apply_context_parallel(model: nn.Module, layout: SplitSequence, ulysses: Ulysses) -> list[PlanMatch]:
-    """The CP plan on the meta model (before FSDP): the model's sequence layout becomes `layout`, the language model
-    runs this rank's part of the sequence and every text attention module the Ulysses attention."""
+def apply_context_parallel(
+    model: nn.Module, layout: SplitSequence, ulysses: Ulysses, ring: Ring | None = None
+) -> list[PlanMatch]:
+    """The CP plan on the meta model (before FSDP): the model's sequence layout becomes `layout` (a ZigzagSequence
+    with `ring`), the language model runs this rank's part of the sequence and every text attention module the
+    context attention (Ulysses exchange, ring, or both)."""
+    assert (ring is None) == (not isinstance(layout, ZigzagSequence)), "Ring attention needs the zigzag layout"
     matches = match_modules(model, [LANGUAGE_MODEL], "parallel.ulysses_parallel_size")
     language_model = model.get_submodule(LANGUAGE_MODEL)
     language_model.forward = functools.partial(_language_model_forward, language_model, layout)
     attention_config = copy.copy(language_model.config)
-    attention_config._attn_implementation = ULYSSES_ATTENTION
+    attention_config._attn_implementation = CONTEXT_ATTENTION
     for module in language_model.modules():
         if isinstance(module, Glm4vMoeTextAttention):
             module.config = attention_config
             module.ulysses = ulysses
+            module.ring = ring
     model.sequence_layout = layout
     return matches

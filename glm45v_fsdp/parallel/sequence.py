@@ -8,7 +8,9 @@ The model's training forward (model/loss.py) asks its `sequence_layout` for each
 every sequence (tokens, rotary positions - all 3 or 4 rows - and the shifted labels) through the decoder layers, the
 final norm and the loss. The labels are shifted on the whole sequence first, so a token whose target lies on the next
 rank is still supervised, and the loss is normalised by the unsplit batch's supervised tokens on every rank.
-`shard`/`unshard` are where a load-balanced (zigzag) layout for Ring attention will differ.
+Ring attention (and hybrid Ulysses x Ring) installs `ZigzagSequence` instead: the sequence is padded to a multiple of
+2 x ring x ulysses and cut into 2 x ring chunks; ring rank i holds chunks i and 2r-1-i (so causal attention costs every
+ring rank the same), and the Ulysses ranks of that ring rank split this block into contiguous slices.
 
 Vision: each CP rank encodes a contiguous run of the micro batch's images (balanced by patches; a rank without one
 runs the dummy image so the FSDP unit runs alike on every rank) and the features of all images are gathered, so every
@@ -134,3 +136,35 @@ class SplitSequence(WholeSequence):
 
     def describe(self) -> str:
         return f"split into {self.size} contiguous slices (this rank: slice {self.rank})"
+
+
+class ZigzagSequence(SplitSequence):
+    """Load-balanced causal layout for Ring attention: 2r chunks, ring rank i holds chunks i and 2r-1-i (its ring
+    block, in global order), split into `ulysses` contiguous slices over the Ulysses ranks (cp rank = ring rank x
+    ulysses + ulysses rank, Ulysses innermost as in the mesh)."""
+
+    def __init__(
+        self, group: dist.ProcessGroup, ring: int, ring_rank: int, ulysses: int, ulysses_rank: int, pad_token_id: int
+    ) -> None:
+        super().__init__(group, ring * ulysses, ring_rank * ulysses + ulysses_rank, pad_token_id)
+        self.ring, self.ring_rank = ring, ring_rank
+        self.ulysses, self.ulysses_rank = ulysses, ulysses_rank
+
+    def pad(self, batch: dict) -> dict:
+        return pad_to_multiple(batch, 2 * self.size, self.pad_token_id)
+
+    def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        chunks = tensor.chunk(2 * self.ring, dim)
+        block = torch.cat([chunks[self.ring_rank], chunks[2 * self.ring - 1 - self.ring_rank]], dim)
+        return block.chunk(self.ulysses, dim)[self.ulysses_rank]
+
+    def unshard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        blocks = super().unshard(tensor, dim).chunk(self.ring, dim)  # ring block i = chunks (i, 2r-1-i)
+        halves = [block.chunk(2, dim) for block in blocks]
+        return torch.cat([half[0] for half in halves] + [half[1] for half in reversed(halves)], dim)
+
+    def describe(self) -> str:
+        return (
+            f"zigzag: {2 * self.ring} chunks, ring rank {self.ring_rank} holds chunks {self.ring_rank} and "
+            f"{2 * self.ring - 1 - self.ring_rank}, split over {self.ulysses} Ulysses rank(s)"
+        )

@@ -1,0 +1,314 @@
+"""Ring attention and hybrid Ulysses x Ring: the pieces of work against the mask they stand for, the split language
+model against the unsplit one (4 gloo ranks: ring 2, ring 4, hybrid 2 x 2; causal, padded, packed; GQA; both block
+kernels), what recompute does to the ring, and training under Ring CP against the 1-rank run."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import PARITY, end_worker, free_port, mean_relative_error, read_metrics, train
+from test_context import text_config, zeros_if_none
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextModel
+
+from glm45v_fsdp.config import RecomputeConfig, load_config
+from glm45v_fsdp.memory.recompute import apply_recompute
+from glm45v_fsdp.parallel.context import Ulysses, apply_context_parallel, check_context_parallel
+from glm45v_fsdp.parallel.ring import (
+    BLOCK_KERNELS,
+    RING_ATTENTION_OP,
+    Ring,
+    causal_pieces,
+    choose_block_kernel,
+    ring_pieces,
+    sequence_segments,
+)
+from glm45v_fsdp.parallel.sequence import ZigzagSequence
+
+SEQ = 24  # a multiple of 2 x 4: every layout below splits it without padding
+
+
+# ---------------------------------------------------------------------------------------------- pieces (one process)
+
+
+def allowed_matrix(length: int, mask: list[int] | None, positions: list[int] | None) -> torch.Tensor:
+    """What transformers' mask allows: key <= query, same packed sample, key not padding."""
+    index = torch.arange(length)
+    allowed = index[None, :] <= index[:, None]
+    if positions is not None:
+        sample = torch.cumsum(
+            torch.tensor([1] + [int(positions[t] != positions[t - 1] + 1) for t in range(1, length)]), 0
+        )
+        allowed &= sample[None, :] == sample[:, None]
+    if mask is not None:
+        allowed &= torch.tensor(mask, dtype=torch.bool)[None, :]
+    return allowed
+
+
+def covered(length: int, ring: int, rank: int, pieces: torch.Tensor, row: int) -> torch.Tensor:
+    """How often each (query, key) pair of the global sequence is computed by ring rank `rank`'s pieces."""
+    chunk = length // (2 * ring)
+
+    def global_index(local: int, owner: int) -> int:
+        first = local < chunk
+        return (owner if first else 2 * ring - 1 - owner) * chunk + local % chunk
+
+    counts = torch.zeros(length, length, dtype=torch.int64)
+    for step, piece_row, q0, q1, k0, k1, causal in pieces.tolist():
+        if piece_row not in (-1, row):
+            continue
+        source = (rank - step) % ring
+        for qi in range(q0, q1):
+            for ki in range(k0, k1):
+                if causal and ki - k0 > qi - q0:
+                    continue
+                counts[global_index(qi, rank), global_index(ki, source)] += 1
+    return counts
+
+
+def random_row(length: int, rng: random.Random) -> tuple[list[int] | None, list[int] | None]:
+    kind = rng.choice(["causal", "padded", "packed", "packed_padded"])
+    mask = positions = None
+    if "padded" in kind:
+        valid = rng.randint(1, length)
+        mask = [1] * valid + [0] * (length - valid)
+    if "packed" in kind:
+        cuts = sorted(rng.sample(range(1, length), min(length - 1, rng.randint(1, 4))))
+        positions = [t - max([0] + [c for c in cuts if c <= t]) for t in range(length)]
+    return mask, positions
+
+
+def test_pieces_compute_every_allowed_pair_once():
+    rng = random.Random(0)
+    for trial in range(60):
+        ring = rng.choice([1, 2, 3, 4])
+        length = 2 * ring * rng.randint(1, 5)
+        rows = [random_row(length, rng) for _ in range(rng.choice([1, 2]))]
+        segments = [sequence_segments(length, mask, positions) for mask, positions in rows]
+        for row, (mask, positions) in enumerate(rows):
+            total = sum(
+                covered(length, ring, rank, ring_pieces(length, ring, rank, segments), row) for rank in range(ring)
+            )
+            expected = allowed_matrix(length, mask, positions)
+            assert torch.equal(total, expected.long()), (trial, ring, length, rows[row])
+
+
+def test_zigzag_balances_causal_work_and_skips_blocks_above_the_diagonal():
+    ring, length = 4, 64
+    segments = [sequence_segments(length, None, None)]
+    work = []
+    for rank in range(ring):
+        pieces = ring_pieces(length, ring, rank, segments)
+        area = sum(
+            (q1 - q0) * (q1 - q0 + 1) // 2 if causal else (q1 - q0) * (k1 - k0)
+            for *_, q0, q1, k0, k1, causal in pieces.tolist()
+        )
+        work.append(area)
+        assert sorted({piece[0] for piece in pieces.tolist()}) == list(range(ring))  # every step does work
+        assert len(pieces) == 3 + (ring - 1)  # the diagonal step: 2 causal + 1 full; every other step: one block
+    assert len(set(work)) == 1, work
+    assert causal_pieces(10, 20, 20, 30) == []  # keys after every query: skipped
+    assert causal_pieces(10, 20, 0, 5) == [(10, 20, 0, 5, False)]  # keys before every query: one full block
+    assert causal_pieces(10, 20, 5, 15) == [(10, 20, 5, 10, False), (10, 15, 10, 15, True), (15, 20, 10, 15, False)]
+
+
+def test_block_kernels_match_sdpa_with_their_lse():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    for causal in (False, True):
+        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 8**0.5
+        if causal:
+            scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+        for kernel in BLOCK_KERNELS.values():
+            out, lse = kernel.forward(q, k, v, causal, 8**-0.5)
+            assert (out - reference).abs().max() < 1e-5, kernel.name
+            assert (lse - scores.logsumexp(-1)).abs().max() < 1e-5, kernel.name
+    assert choose_block_kernel("sdpa", "cpu").name == "cpu_flash"
+    assert choose_block_kernel("eager", "cpu").name == "reference"
+
+
+# ---------------------------------------------------------------------------------- language model (4 gloo ranks)
+
+# (layout, query heads, key/value heads, kernel, mask); layouts on 4 ranks: ring 2 (two independent rings), ring 4,
+# hybrid Ulysses 2 x Ring 2. GQA with fewer key/value heads than r x u (1 and 2 for 4 ranks).
+CASES = [
+    ("ring2", 4, 2, "sdpa", "causal"),
+    ("ring2", 4, 1, "eager", "padded"),
+    ("ring2", 4, 2, "sdpa", "packed"),
+    ("ring4", 4, 1, "sdpa", "padded"),
+    ("ring4", 4, 2, "eager", "packed"),
+    ("ring4", 4, 2, "sdpa", "causal"),
+    ("hybrid", 4, 1, "sdpa", "packed"),
+    ("hybrid", 4, 2, "eager", "padded"),
+    ("hybrid", 4, 2, "sdpa", "causal"),
+]
+
+
+def inputs(mask: str) -> dict:
+    generator = torch.Generator().manual_seed(5)
+    batch = 1 if mask == "packed" else 2
+    embeds = torch.randn(batch, SEQ, 64, generator=generator)
+    positions = torch.arange(SEQ).expand(3, batch, SEQ).clone()
+    attention_mask = None
+    if mask == "padded":
+        attention_mask = torch.ones(batch, SEQ, dtype=torch.long)
+        attention_mask[1, 15:] = 0
+        positions[:, 1, 15:] = 0
+    if mask == "packed":  # three samples of unequal length, text positions restarting
+        text = torch.cat([torch.arange(n) for n in (5, 12, 7)])
+        positions = torch.cat([text[None, None], positions])
+    return {"inputs_embeds": embeds, "position_ids": positions, "attention_mask": attention_mask}
+
+
+class Groups:
+    """The process groups of the three layouts on 4 ranks (created collectively, in the same order everywhere)."""
+
+    def __init__(self, rank: int) -> None:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        across = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        world = dist.group.WORLD
+        self.rank = rank
+        # layout -> (cp group, ring group, ring size, ring rank, ulysses group, ulysses size, ulysses rank)
+        self.layouts = {
+            "ring2": (pairs[rank // 2], pairs[rank // 2], 2, rank % 2, None, 1, 0),
+            "ring4": (world, world, 4, rank, None, 1, 0),
+            "hybrid": (world, across[rank % 2], 2, rank // 2, pairs[rank // 2], 2, rank % 2),
+        }
+
+
+def split_model(layout_name: str, heads: int, kv_heads: int, kernel: str, groups: Groups):
+    torch.manual_seed(0)
+    reference = Glm4vMoeTextModel(text_config(heads, kv_heads, kernel))
+    root = nn.Module()
+    root.model = nn.Module()
+    root.model.language_model = copy.deepcopy(reference)
+    cp, ring_group, ring, ring_rank, ulysses_group, ulysses, ulysses_rank = groups.layouts[layout_name]
+    layout = ZigzagSequence(cp, ring, ring_rank, ulysses, ulysses_rank, pad_token_id=0)
+    block_kernel = choose_block_kernel(kernel, "cpu")
+    apply_context_parallel(
+        root, layout, Ulysses(ulysses_group, ulysses, kernel), Ring(ring_group, ring, ring_rank, block_kernel)
+    )
+    return reference, root, layout, cp
+
+
+class CountRings(TorchDispatchMode):
+    """Counts the ring op's forward runs (a selective-checkpoint cache hit never reaches this mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is RING_ATTENTION_OP
+        return func(*args, **(kwargs or {}))
+
+
+def _ring_worker(rank: int, world: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    groups = Groups(rank)
+    errors = {}
+    for layout_name, heads, kv_heads, kernel, mask in CASES:
+        reference, root, layout, cp = split_model(layout_name, heads, kv_heads, kernel, groups)
+        split = root.model.language_model
+        data = inputs(mask)
+        weight = torch.randn(*data["inputs_embeds"].shape, generator=torch.Generator().manual_seed(9))
+        full_embeds = data["inputs_embeds"].clone().requires_grad_()
+        full = reference(**{**data, "inputs_embeds": full_embeds}, use_cache=False).last_hidden_state
+        (full * weight).sum().backward()
+        local_embeds = data["inputs_embeds"].clone().requires_grad_()
+        local = split(**{**data, "inputs_embeds": local_embeds}, use_cache=False).last_hidden_state
+        (local * layout.shard(weight, dim=1)).sum().backward()
+        grads = [local_embeds.grad] + [zeros_if_none(p) for p in split.parameters()]
+        for grad in grads:
+            dist.all_reduce(grad, group=cp)  # the CP ranks' partial gradients add up to the full one
+        expected = [full_embeds.grad] + [zeros_if_none(p) for p in reference.parameters()]
+        scale = full.abs().max().item()
+        errors[f"{layout_name} {heads}/{kv_heads} {kernel} {mask}"] = {
+            "output": (local - layout.shard(full, dim=1)).abs().max().item() / scale,
+            "grad": max((g - e).abs().max().item() / (e.abs().max().item() + 1e-12) for g, e in zip(grads, expected)),
+            "shape": list(local.shape),
+            "expected_shape": [data["inputs_embeds"].shape[0], SEQ // layout.size, 64],
+            "unsplit": (layout.unshard(local, dim=1) - full).abs().max().item() / scale,
+        }
+    rings = {}
+    for recompute, keep_attention in (("off", False), ("selective", False), ("full", True), ("full", False)):
+        _, root, _, _ = split_model("ring4", 4, 2, "sdpa", groups)
+        if recompute != "off":
+            cfg = RecomputeConfig(
+                enabled=True,
+                apply_modules=["model.language_model.layers.{*}"],
+                granularity=recompute,
+                keep_attention=keep_attention,
+            )
+            apply_recompute(root, cfg)
+        data = inputs("causal")
+        output = root.model.language_model(**data, use_cache=False).last_hidden_state
+        with CountRings() as counter:
+            output.sum().backward()
+        rings[f"{recompute} keep_attention={keep_attention}"] = counter.count
+    with open(f"{out}.{rank}", "w") as handle:
+        json.dump({"errors": errors, "rings": rings}, handle)
+    end_worker()
+
+
+def test_ring_language_model_matches_unsplit(tmp_path):
+    mp.spawn(_ring_worker, args=(4, free_port(), str(tmp_path / "errors")), nprocs=4, join=True)
+    for rank in range(4):
+        found = json.loads((tmp_path / f"errors.{rank}").read_text())
+        assert len(found["errors"]) == len(CASES)
+        for case, figures in found["errors"].items():
+            assert figures["shape"] == figures["expected_shape"], case
+            assert figures["output"] < 1e-5, (rank, case, figures)
+            assert figures["grad"] < 1e-5, (rank, case, figures)
+            assert figures["unsplit"] < 1e-5, (rank, case, figures)
+        # The forward ring in backward: none without recompute, none when recompute keeps the ring op's outputs
+        # (selective, full with keep_attention); once per layer when full recompute replays the layer.
+        layers = 2
+        assert found["rings"] == {
+            "off keep_attention=False": 0,
+            "selective keep_attention=False": 0,
+            "full keep_attention=True": 0,
+            "full keep_attention=False": layers,
+        }, found
+
+
+def test_ring_checks():
+    hf = type("Config", (), {"text_config": text_config(4, 2, "sdpa")})
+    check_context_parallel(hf, 1, "sdpa", ring=8)  # the ring puts no condition on the heads
+    config = load_config(None, ["parallel.ring_attention_size=2", "parallel.ulysses_parallel_size=2"])
+    assert config.parallel.ring_attention_size == 2
+    with pytest.raises(Exception, match="'parallel.ring_attention_size' = 0"):
+        load_config(None, ["parallel.ring_attention_size=0"])
+
+
+# ------------------------------------------------------------------------------------------------------- training
+
+FEATURES = ["features.recompute.enabled=true", "features.chunk_loss.mode=static", "features.chunk_loss.chunk_size=64"]
+
+
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, ["parallel.ring_attention_size=2"]),
+        (4, ["parallel.ring_attention_size=2", "parallel.ulysses_parallel_size=2"]),
+    ],
+    ids=["ring2", "hybrid2x2"],
+)
+def test_training_under_ring_matches_one_rank(tmp_path, parity_off, nproc, layout):
+    """Ring 2 and hybrid Ulysses 2 x Ring 2 (images in every sample, recompute, chunked loss) against the plain
+    1-rank run at the same global batch."""
+    result = train(tmp_path, PARITY + FEATURES + layout, nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Ring attention over 2 ranks (zigzag: 2 of 4 chunks per rank), block kernel aten." in result.stdout
+    records, reference = read_metrics(tmp_path), parity_off(1)
+    assert {r["global_batch_size"] for r in records} == {r["global_batch_size"] for r in reference}
+    assert mean_relative_error([r["loss"] for r in records], [r["loss"] for r in reference]) < 1e-5
+    assert mean_relative_error([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference]) < 1e-5
