@@ -308,8 +308,27 @@ class ContextParallelPlan(Plan):
     ) -> None:
         """The tokens and images are already per rank (preflight divides them); what every CP rank still holds in
         full is the merged input embeddings of the whole sequence."""
-        full = estimate.base.tokens * dims.cp * hf_config.text_config.hidden_size * estimate.compute_itemsize
+        text = hf_config.text_config
+        full = estimate.base.tokens * dims.cp * text.hidden_size * estimate.compute_itemsize
         estimate.add_term("context parallel: whole sequence", full, f"input embeddings of all {dims.cp} ranks' tokens")
+        if dims.cp_ring_enabled:
+            estimate.add_term(
+                "ring attention: block buffers",
+                ring_buffer_bytes(estimate.base.tokens, dims, text, estimate.compute_itemsize),
+                f"backward of one layer's ring over {dims.cp_ring} ranks: fp32 dq, the block's dk/dv (held, arriving, "
+                f"in flight) and the next key/value block (transient)",
+            )
+
+
+def ring_buffer_bytes(tokens: int, dims: ParallelDims, text: object, itemsize: int) -> int:
+    """The ring's transient peak per rank (backward of one layer): a ring block holds tokens x ulysses tokens (after
+    the Ulysses all-to-all) with heads/ulysses query heads and the key/value heads that rank holds."""
+    block = tokens * dims.cp_ulysses
+    heads = text.num_attention_heads // dims.cp_ulysses
+    kv_heads = max(1, text.num_key_value_heads // dims.cp_ulysses)
+    dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    fp32_grads = block * dim * 4 * (heads + 3 * 2 * kv_heads)
+    return fp32_grads + 2 * block * kv_heads * dim * itemsize
 
 
 class _PlanOnlyMesh:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import json
 import random
+import sys
+import types
 
 import pytest
 import torch
@@ -127,12 +129,93 @@ def test_block_kernels_match_sdpa_with_their_lse():
         scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 8**0.5
         if causal:
             scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
-        for kernel in BLOCK_KERNELS.values():
+        for kernel in (BLOCK_KERNELS["reference"], BLOCK_KERNELS["cpu_flash"]):
             out, lse = kernel.forward(q, k, v, causal, 8**-0.5)
             assert (out - reference).abs().max() < 1e-5, kernel.name
             assert (lse - scores.logsumexp(-1)).abs().max() < 1e-5, kernel.name
     assert choose_block_kernel("sdpa", "cpu").name == "cpu_flash"
     assert choose_block_kernel("eager", "cpu").name == "reference"
+    assert choose_block_kernel("sdpa", "npu").name == "npu_fusion"
+    assert choose_block_kernel("sdpa", "cuda").name == "reference"
+
+
+class StandInTorchNpu(types.ModuleType):
+    """torch_npu's fused attention as its docs describe it, in plain PyTorch: BNSD layout, head_num = query heads
+    (GQA: key/value heads divide them), atten_mask True = masked, sparse_mode 0 (the mask as given) or 2/3 (causal
+    from the compressed 2048 x 2048 mask, corners agreeing on square blocks); softmax_max / softmax_sum are the row
+    maximum and the sum of exp(score - max), 8 copies in the last dim; the grad takes them (or any max/sum pair with
+    the same ratio) and the forward's output."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_npu")
+        self.calls = []
+
+    @staticmethod
+    def _scores(query, key, head_num, scale, atten_mask, sparse_mode):
+        assert query.shape[1] == head_num
+        key = key.repeat_interleave(head_num // key.shape[1], 1)
+        scores = (query.float() @ key.float().transpose(-1, -2)) * scale
+        if sparse_mode in (2, 3):
+            assert atten_mask is not None and atten_mask.shape == (2048, 2048)
+            scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        elif atten_mask is not None:
+            scores = scores.masked_fill(atten_mask, float("-inf"))
+        return scores
+
+    def npu_fusion_attention(self, query, key, value, head_num, input_layout, *, pse=None, padding_mask=None,
+                             atten_mask=None, scale=1.0, keep_prob=1.0, pre_tockens=2147483647,
+                             next_tockens=2147483647, inner_precise=0, prefix=None, sparse_mode=0,
+                             gen_mask_parallel=True, sync=False):  # fmt: skip
+        assert input_layout == "BNSD" and keep_prob == 1.0
+        self.calls.append("forward")
+        scores = self._scores(query, key, head_num, scale, atten_mask, sparse_mode)
+        row_max = scores.amax(-1, keepdim=True)
+        row_sum = torch.exp(scores - row_max).sum(-1, keepdim=True)
+        probs = torch.exp(scores - row_max) / row_sum
+        out = (probs @ value.float().repeat_interleave(head_num // value.shape[1], 1)).to(query.dtype)
+        stats = [row_max.expand(*row_max.shape[:-1], 8), row_sum.expand(*row_sum.shape[:-1], 8)]
+        return out, *stats, torch.empty(0), 0, 0, 0
+
+    def npu_fusion_attention_grad(self, query, key, value, dy, head_num, input_layout, *, pse=None,
+                                  padding_mask=None, atten_mask=None, softmax_max=None, softmax_sum=None,
+                                  softmax_in=None, attention_in=None, scale_value=1.0, keep_prob=1.0,
+                                  pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0, seed=0,
+                                  offset=0, numels=0, prefix=None, sparse_mode=0, gen_mask_parallel=True,
+                                  sync=False):  # fmt: skip
+        assert input_layout == "BNSD" and softmax_max.shape[-1] == softmax_sum.shape[-1] == 8
+        self.calls.append("grad")
+        groups = head_num // key.shape[1]
+        scores = self._scores(query, key, head_num, scale_value, atten_mask, sparse_mode)
+        probs = torch.exp(scores - softmax_max[..., :1]) / softmax_sum[..., :1]
+        dy = dy.float()
+        d_value = probs.transpose(-1, -2) @ dy
+        d_probs = dy @ value.float().repeat_interleave(groups, 1).transpose(-1, -2)
+        d_scores = probs * (d_probs - (dy * attention_in.float()).sum(-1, keepdim=True)) * scale_value
+        d_query = d_scores @ key.float().repeat_interleave(groups, 1)
+        d_key = d_scores.transpose(-1, -2) @ query.float()
+        fold = lambda t: t.unflatten(1, (key.shape[1], groups)).sum(2)  # noqa: E731
+        return d_query, fold(d_key), fold(d_value), None
+
+
+def test_npu_block_kernel_through_a_stand_in_matches_the_reference(monkeypatch):
+    """The NPU kernel's wiring (lse from softmax_max/sum, the backward fed the final lse as softmax_max with a sum of
+    1, the causal sparse mode) against the reference kernel, forward and backward, with a stand-in torch_npu."""
+    stand_in = StandInTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", stand_in)
+    npu, reference = BLOCK_KERNELS["npu_fusion"], BLOCK_KERNELS["reference"]
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    dout = torch.randn(2, 4, 6, 8)
+    for causal in (False, True):
+        out, lse = npu.forward(q, k, v, causal, 0.3)
+        ref_out, ref_lse = reference.forward(q, k, v, causal, 0.3)
+        assert (out - ref_out).abs().max() < 1e-5 and (lse - ref_lse).abs().max() < 1e-5
+        # as in the ring: the backward of a block gets the final out / lse (here the block is everything)
+        grads = npu.backward(dout, q, k, v, ref_out, ref_lse, causal, 0.3)
+        ref_grads = reference.backward(dout, q, k, v, ref_out, ref_lse, causal, 0.3)
+        for grad, ref_grad in zip(grads, ref_grads):
+            assert grad.shape == ref_grad.shape and (grad - ref_grad).abs().max() < 1e-5
+    assert stand_in.calls == ["forward", "grad"] * 2
 
 
 # ---------------------------------------------------------------------------------- language model (4 gloo ranks)

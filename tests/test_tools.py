@@ -88,6 +88,15 @@ def test_preflight_context_parallel_splits_the_activations(capsys):
     cp2 = preflight_json(capsys, "--world-size", "4", "parallel.ulysses_parallel_size=2")["memory"]
     assert cp2["activations"]["loss_peak"] * 2 == cp1["activations"]["loss_peak"]
     assert cp2["max"]["params"] == cp1["max"]["params"]  # FSDP shards over dp_shard x cp either way
+    # Ring CP 2: the same split of the tokens, plus the ring's block buffers; hybrid 2 x 2 splits them 4 ways
+    code, out, _ = run_preflight(capsys, "--world-size", "4", "parallel.ring_attention_size=2")
+    assert code == 0 and "key/value blocks go round a ring of 2 (Ring attention, zigzag layout)" in out
+    assert "ring attention: block buffers" in out
+    ring2 = preflight_json(capsys, "--world-size", "4", "parallel.ring_attention_size=2")["memory"]
+    assert ring2["activations"]["loss_peak"] == cp2["activations"]["loss_peak"]
+    hybrid = ["parallel.ring_attention_size=2", "parallel.ulysses_parallel_size=2"]
+    cp4 = preflight_json(capsys, "--world-size", "4", *hybrid)["memory"]
+    assert cp4["activations"]["loss_peak"] * 4 == cp1["activations"]["loss_peak"]
 
 
 def test_preflight_106b_on_128_ranks(capsys):

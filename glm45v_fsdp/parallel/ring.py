@@ -26,6 +26,10 @@ recompute without keep_attention replays it.
 Block kernels (`BLOCK_KERNELS`), each returning (out, lse) and taking the final (out, lse) in backward:
   reference   plain PyTorch in fp32, any device (model.attn_implementation: eager)
   cpu_flash   aten._scaled_dot_product_flash_attention_for_cpu and its backward (CPU, sdpa)
+  npu_fusion  torch_npu.npu_fusion_attention / npu_fusion_attention_grad, BNSD (NPU, sdpa); the log-sum-exp is
+              softmax_max + log(softmax_sum), and the backward takes the final lse as softmax_max with a sum of 1.
+              Wired against a stand-in with the documented semantics (tests/test_ring.py); unverified on hardware.
+CUDA runs the reference until the ops layer brings its fused kernels (flash / efficient attention with lse).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
+
+from glm45v_fsdp.runtime.device import torch_npu_ops
 
 # One row per piece of work: (step, batch row or -1 for every row, q_start, q_end, k_start, k_end, causal).
 PIECE_COLUMNS = 7
@@ -107,13 +113,57 @@ class CpuFlashKernel(BlockKernel):
         )
 
 
-BLOCK_KERNELS: dict[str, BlockKernel] = {kernel.name: kernel for kernel in (ReferenceKernel(), CpuFlashKernel())}
+class NpuFusionKernel(BlockKernel):
+    """torch_npu's fused attention in BNSD layout (GQA native: head_num is the query heads). Causal blocks use
+    sparse_mode 3 with the compressed 2048 x 2048 upper-triangular mask (square blocks: both corners agree)."""
+
+    name = "npu_fusion"
+    description = "torch_npu.npu_fusion_attention (BNSD, lse = softmax_max + log softmax_sum)"
+    CAUSAL_SPARSE_MODE, MASK_SIZE, STAT_WIDTH = 3, 2048, 8
+
+    def _mask(self, causal: bool, device: torch.device) -> dict:
+        if not causal:
+            return {"atten_mask": None, "sparse_mode": 0}
+        mask = torch.ones(self.MASK_SIZE, self.MASK_SIZE, dtype=torch.bool, device=device).triu(1)
+        return {"atten_mask": mask, "sparse_mode": self.CAUSAL_SPARSE_MODE}
+
+    def forward(self, q, k, v, causal, scale):
+        outputs = torch_npu_ops().npu_fusion_attention(
+            q, k, v, q.shape[1], "BNSD", scale=scale, keep_prob=1.0, **self._mask(causal, q.device)
+        )
+        out, softmax_max, softmax_sum = outputs[:3]
+        return out, softmax_max[..., 0].float() + torch.log(softmax_sum[..., 0].float())
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        stat = lse.unsqueeze(-1).expand(*lse.shape, self.STAT_WIDTH).contiguous()
+        grads = torch_npu_ops().npu_fusion_attention_grad(
+            q,
+            k,
+            v,
+            dout.to(q.dtype),
+            q.shape[1],
+            "BNSD",
+            softmax_max=stat,
+            softmax_sum=torch.ones_like(stat),
+            attention_in=out,
+            scale_value=scale,
+            keep_prob=1.0,
+            **self._mask(causal, q.device),
+        )
+        return grads[0], grads[1], grads[2]
+
+
+BLOCK_KERNELS: dict[str, BlockKernel] = {
+    kernel.name: kernel for kernel in (ReferenceKernel(), CpuFlashKernel(), NpuFusionKernel())
+}
+FUSED_BLOCK_KERNEL = {"cpu": "cpu_flash", "npu": "npu_fusion"}
 
 
 def choose_block_kernel(attn_implementation: str, device_type: str) -> BlockKernel:
-    """eager -> the reference everywhere; sdpa -> the device's fused kernel that returns the log-sum-exp."""
-    if attn_implementation == "sdpa" and device_type == "cpu":
-        return BLOCK_KERNELS["cpu_flash"]
+    """eager -> the reference everywhere; sdpa -> the device's fused kernel that returns the log-sum-exp (the
+    reference where there is none yet: CUDA)."""
+    if attn_implementation == "sdpa" and device_type in FUSED_BLOCK_KERNEL:
+        return BLOCK_KERNELS[FUSED_BLOCK_KERNEL[device_type]]
     return BLOCK_KERNELS["reference"]
 
 

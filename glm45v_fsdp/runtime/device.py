@@ -127,6 +127,11 @@ def _import_torch_npu() -> Any:
     return importlib.import_module("torch_npu")
 
 
+def torch_npu_ops() -> Any:
+    """torch_npu itself, for its fused ops (`npu_fusion_attention`, ...), imported on first use."""
+    return _import_torch_npu()
+
+
 def _fused_optimizer_device_types() -> list[str]:
     # torch's own list of device types with fused optimizer kernels (private; there is no public equivalent).
     from torch.optim.optimizer import _get_fused_kernels_supported_devices

@@ -49,6 +49,15 @@ OFFLOAD = f"{OFFLOAD_KEY}=true"
 # Ulysses CP 2 at the same world size and global batch, as the reference report compares CP1 and CP2: half the
 # data-parallel ranks, each micro batch (one sample) split over 2 ranks, twice the accumulation.
 ULYSSES2 = ("parallel.ulysses_parallel_size=2", "training.gradient_accumulation_steps=2")
+RING2 = ("parallel.ring_attention_size=2", "training.gradient_accumulation_steps=2")
+# CP 4 on 4 ranks: Ulysses 2 x Ring 2 (hybrid), one data-parallel rank, 4 x the accumulation
+HYBRID4 = (
+    "parallel.ulysses_parallel_size=2",
+    "parallel.ring_attention_size=2",
+    "training.gradient_accumulation_steps=4",
+)
+# Context parallelism's goals (against CP1 at the same ranks and global batch): peak per rank, time cost.
+CP2_MIN_SAVING, CP4_MIN_SAVING, CP2_MAX_TIME_COST = 40.0, 65.0, 20.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,8 @@ RUNS: dict[str, RunSpec] = {
     "recompute_selective": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, "features.recompute.granularity=selective")),
     "recompute_offload": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, OFFLOAD), offload=True),
     "recompute_ulysses_cp2": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, *ULYSSES2), cp=2),
+    "recompute_ring_cp2": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, *RING2), cp=2),
+    "recompute_hybrid_cp4": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, *HYBRID4), cp=4),
     "all_off": RunSpec(BOTH_SHAPE, ("features.chunk_loss.mode='off'",)),
     "all_on": RunSpec(BOTH_SHAPE, (STATIC, RECOMPUTE, OFFLOAD), offload=True),
 }
@@ -120,8 +131,25 @@ SWITCHES: dict[str, Switch] = {
         "Ulysses CP1→CP2 (on recompute)",
         "recompute",
         "recompute_ulysses_cp2",
+        CP2_MIN_SAVING,
+        CP2_MAX_TIME_COST,
         note="same ranks and global batch: CP2 halves the data-parallel ranks and doubles the accumulation, each "
         "sample split over 2 ranks (the reference report's CP1/CP2 set-up)",
+    ),
+    "ring": Switch(
+        "Ring CP1→CP2 (on recompute)",
+        "recompute",
+        "recompute_ring_cp2",
+        CP2_MIN_SAVING,
+        CP2_MAX_TIME_COST,
+        note="Ring attention over 2 ranks, zigzag layout; same ranks and global batch as the Ulysses row",
+    ),
+    "hybrid": Switch(
+        "Hybrid Ulysses 2 × Ring 2: CP1→CP4 (on recompute)",
+        "recompute",
+        "recompute_hybrid_cp4",
+        CP4_MIN_SAVING,
+        note="4 ranks: one data-parallel rank, 4 x the accumulation, each sample split over 4 ranks",
     ),
 }
 
@@ -507,7 +535,8 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
     if unfit:
         raise UserError(
             f"bench memory: switch(es) {unfit} run context parallelism and need --ranks to be a multiple of its "
-            f"size (2); got --ranks {args.ranks}. Use --ranks 2."
+            f"size ({', '.join(f'{name}: {RUNS[SWITCHES[name].on].cp}' for name in unfit)}); got --ranks "
+            f"{args.ranks}."
         )
     planned: list[str] = []
     for name in args.switches:
