@@ -143,8 +143,9 @@ def test_memory_bench_ulysses_row_needs_even_ranks(tmp_path, monkeypatch):
 
     def fake_execute(name, command, output_dir, timeout, threads=None):
         commands[name] = command
-        record = {"step": 1, "loss": 2.0, "ms_per_iter": 10.0, "global_batch_size": 2, "tokens": 128}
-        record["mem_peak_per_rank_gib"] = [1.0, 1.0] if name == "recompute" else [0.6, 0.6]
+        ranks = next(int(arg.split("=")[1]) for arg in command if arg.startswith("--nproc_per_node="))
+        record = {"step": 1, "loss": 2.0, "ms_per_iter": 10.0, "global_batch_size": ranks, "tokens": 64 * ranks}
+        record["mem_peak_per_rank_gib"] = [1.0 if name == "recompute" else 0.3 * (4 // ranks)] * ranks
         return [record, {**record, "step": 2}], 1.0, 1.0
 
     monkeypatch.setattr(bench_memory, "execute", fake_execute)
@@ -158,6 +159,14 @@ def test_memory_bench_ulysses_row_needs_even_ranks(tmp_path, monkeypatch):
     assert "training.gradient_accumulation_steps=2" in commands["recompute_ulysses_cp2"]
     (row,) = json.loads((tmp_path / "out" / "memory.json").read_text())["rows"]
     assert row["saving_max_pct"] == pytest.approx(40.0) and row["pass"]
+    # Ring CP 2 the same way; hybrid Ulysses 2 x Ring 2 is CP 4: 4 ranks, 4 x the accumulation
+    assert "ring" in bench_memory.runnable_switches(2) and "hybrid" not in bench_memory.runnable_switches(2)
+    assert bench.main([*argv, "--ranks", "2", "--switches", "hybrid"]) == 2
+    assert bench.main([*argv, "--ranks", "4", "--switches", "ring,hybrid"]) == 0
+    assert "parallel.ring_attention_size=2" in commands["recompute_ring_cp2"]
+    hybrid = commands["recompute_hybrid_cp4"]
+    assert "parallel.ring_attention_size=2" in hybrid and "parallel.ulysses_parallel_size=2" in hybrid
+    assert "training.gradient_accumulation_steps=4" in hybrid and "--nproc_per_node=4" in hybrid
 
 
 def test_ep_bench_runs_each_configuration_and_judges_the_rows(tmp_path, monkeypatch):
