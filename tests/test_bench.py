@@ -1,6 +1,7 @@
 """Benchmarks: the overhead bench runs both loops on the same model, weights and batch (equal first-step losses);
 the memory bench writes its table, JSON and chart with figures derived from the runs' own metrics."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -224,3 +225,28 @@ def test_ep_bench_runs_each_configuration_and_judges_the_rows(tmp_path, monkeypa
     assert bench.main(argv) == 0
     rows = {row["on_run"]: row for row in json.loads((out / "ep.json").read_text())["rows"]}
     assert rows["skew_balance"]["result"] == "FAIL: rank load" and rows["balance"]["result"] == "FAIL: time"
+
+
+def test_longest_bench_doubles_until_the_budget_and_judges_the_ratio(tmp_path):
+    """The doubling search with a faked measurement (peak grows with the tokens each rank holds)."""
+    from glm45v_fsdp.tools import bench, bench_longest
+
+    tried = []
+
+    def measure(layout, tokens):
+        tried.append((layout, tokens))
+        return 10.0 + tokens / bench_longest.LAYOUTS[layout].cp / 100.0  # MiB per rank
+
+    parser = argparse.ArgumentParser()
+    bench_longest.add_parser(parser.add_subparsers())
+    argv = ["longest", "--budget-mib", "50", "--start", "1024", "--out", str(tmp_path)]
+    args = parser.parse_args(argv)
+    assert bench_longest.main_longest(args, argv, measure=measure) == 0
+    result = json.loads((tmp_path / "longest.json").read_text())
+    longest = {row["layout"]: row["longest_tokens"] for row in result["rows"]}
+    assert longest == {"cp1": 2048, "ulysses2": 4096, "ring2": 4096}  # 10 + 4096/100 > 50; 10 + 4096/200 <= 50
+    assert [row["pass"] for row in result["rows"]] == [True, True, True]
+    assert ("cp1", 4096) in tried and ("cp1", 8192) not in tried  # stops at the first length over the budget
+    assert "| ring2 | 2 | 4096 | 2.00 |" in (tmp_path / "longest.md").read_text()
+    assert bench.main(["longest", "--ranks", "3", "--out", str(tmp_path)]) == 2  # not a multiple of cp 2
+    assert bench.main(["longest", "--layouts", "ring2", "--out", str(tmp_path)]) == 2  # cp1 is the reference

@@ -65,6 +65,33 @@ def zeros_if_none(param: nn.Parameter) -> torch.Tensor:
     return param.grad if param.grad is not None else torch.zeros_like(param)
 
 
+def compare_split(reference: nn.Module, split: nn.Module, layout, data: dict, group) -> dict:
+    """Run the unsplit and the split language model on the same inputs and weighted sum, backward both; the max
+    output error (absolute, and the output's scale), the max relative error over the input and parameter gradients
+    (the CP ranks' partial gradients summed over `group`), the local shape and the un-split output's error."""
+    weight = torch.randn(*data["inputs_embeds"].shape, generator=torch.Generator().manual_seed(9))
+    full_embeds = data["inputs_embeds"].clone().requires_grad_()
+    full = reference(**{**data, "inputs_embeds": full_embeds}, use_cache=False).last_hidden_state
+    (full * weight).sum().backward()
+    local_embeds = data["inputs_embeds"].clone().requires_grad_()
+    local = split(**{**data, "inputs_embeds": local_embeds}, use_cache=False).last_hidden_state
+    (local * layout.shard(weight, dim=1)).sum().backward()
+    # Unused parameters (the token embedding: the inputs are embeddings) have no gradient on either side.
+    grads = [local_embeds.grad] + [zeros_if_none(p) for p in split.parameters()]
+    for grad in grads:
+        dist.all_reduce(grad, group=group)  # the CP ranks' partial gradients add up to the full one
+    expected = [full_embeds.grad] + [zeros_if_none(p) for p in reference.parameters()]
+    batch, length, hidden = data["inputs_embeds"].shape
+    return {
+        "output": (local - layout.shard(full, dim=1)).abs().max().item(),
+        "scale": full.abs().max().item(),
+        "grad": max((g - e).abs().max().item() / (e.abs().max().item() + 1e-12) for g, e in zip(grads, expected)),
+        "shape": list(local.shape),
+        "expected_shape": [batch, length // layout.size, hidden],
+        "unsplit": (layout.unshard(local, dim=1) - full).abs().max().item(),
+    }
+
+
 def split_language_model(heads: int, kv_heads: int, kernel: str, group, world: int, rank: int):
     """(transformers' language model, a copy of it under the Ulysses plan, the copy's sequence layout)."""
     torch.manual_seed(0)
@@ -95,29 +122,9 @@ def _split_worker(rank: int, world: int, port: int, out: str) -> None:
     errors = {}
     for heads, kv_heads, kernel, mask in CASES:
         reference, root, layout = split_language_model(heads, kv_heads, kernel, group, world, rank)
-        split = root.model.language_model
-        data = inputs(mask)
-        weight = torch.randn(*data["inputs_embeds"].shape, generator=torch.Generator().manual_seed(9))
-
-        full_embeds = data["inputs_embeds"].clone().requires_grad_()
-        full = reference(**{**data, "inputs_embeds": full_embeds}, use_cache=False).last_hidden_state
-        (full * weight).sum().backward()
-        local_embeds = data["inputs_embeds"].clone().requires_grad_()
-        local = split(**{**data, "inputs_embeds": local_embeds}, use_cache=False).last_hidden_state
-        (local * layout.shard(weight, dim=1)).sum().backward()
-
-        # Unused parameters (the token embedding: the inputs are embeddings) have no gradient on either side.
-        grads = [local_embeds.grad] + [zeros_if_none(p) for p in split.parameters()]
-        for grad in grads:
-            dist.all_reduce(grad, group=group)  # the CP ranks' partial gradients add up to the full one
-        expected = [full_embeds.grad] + [zeros_if_none(p) for p in reference.parameters()]
-        errors[f"{heads}/{kv_heads} {kernel} {mask}"] = {
-            "output": (local - layout.shard(full, dim=1)).abs().max().item(),
-            "grad": max((g - e).abs().max().item() / (e.abs().max().item() + 1e-12) for g, e in zip(grads, expected)),
-            "shape": list(local.shape),
-            "expected_shape": [data["inputs_embeds"].shape[0], SEQ // world, 64],
-            "unsplit": (layout.unshard(local, dim=1) - full).abs().max().item(),
-        }
+        errors[f"{heads}/{kv_heads} {kernel} {mask}"] = compare_split(
+            reference, root.model.language_model, layout, inputs(mask), group
+        )
     layout = SplitSequence(group, world, rank, pad_token_id=0)
     for counts in ([3, 2], [0, 4]):  # a rank without images contributes no rows
         parts = [torch.randn(count, 5, generator=torch.Generator().manual_seed(r)) for r, count in enumerate(counts)]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import PARITY, end_worker, free_port, mean_relative_error, read_metrics, train
-from test_context import text_config, zeros_if_none
+from test_context import compare_split, text_config
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextModel
@@ -300,27 +300,10 @@ def _ring_worker(rank: int, world: int, port: int, out: str) -> None:
     errors = {}
     for layout_name, heads, kv_heads, kernel, mask in CASES:
         reference, root, layout, cp = split_model(layout_name, heads, kv_heads, kernel, groups)
-        split = root.model.language_model
-        data = inputs(mask)
-        weight = torch.randn(*data["inputs_embeds"].shape, generator=torch.Generator().manual_seed(9))
-        full_embeds = data["inputs_embeds"].clone().requires_grad_()
-        full = reference(**{**data, "inputs_embeds": full_embeds}, use_cache=False).last_hidden_state
-        (full * weight).sum().backward()
-        local_embeds = data["inputs_embeds"].clone().requires_grad_()
-        local = split(**{**data, "inputs_embeds": local_embeds}, use_cache=False).last_hidden_state
-        (local * layout.shard(weight, dim=1)).sum().backward()
-        grads = [local_embeds.grad] + [zeros_if_none(p) for p in split.parameters()]
-        for grad in grads:
-            dist.all_reduce(grad, group=cp)  # the CP ranks' partial gradients add up to the full one
-        expected = [full_embeds.grad] + [zeros_if_none(p) for p in reference.parameters()]
-        scale = full.abs().max().item()
-        errors[f"{layout_name} {heads}/{kv_heads} {kernel} {mask}"] = {
-            "output": (local - layout.shard(full, dim=1)).abs().max().item() / scale,
-            "grad": max((g - e).abs().max().item() / (e.abs().max().item() + 1e-12) for g, e in zip(grads, expected)),
-            "shape": list(local.shape),
-            "expected_shape": [data["inputs_embeds"].shape[0], SEQ // layout.size, 64],
-            "unsplit": (layout.unshard(local, dim=1) - full).abs().max().item() / scale,
-        }
+        figures = compare_split(reference, root.model.language_model, layout, inputs(mask), cp)
+        figures["output"] /= figures["scale"]  # relative to the output's largest value, as the gradients
+        figures["unsplit"] /= figures["scale"]
+        errors[f"{layout_name} {heads}/{kv_heads} {kernel} {mask}"] = figures
     rings = {}
     for recompute, keep_attention in (("off", False), ("selective", False), ("full", True), ("full", False)):
         _, root, _, _ = split_model("ring4", 4, 2, "sdpa", groups)

@@ -1,4 +1,4 @@
-"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory|ep [options] [key.path=value ...]`
+"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory|ep|longest [options] [key.path=value ...]`
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -10,6 +10,9 @@ a table in the reference report's form as markdown and JSON, and a PNG bar chart
 
 ep: expert parallelism: EP1 vs EP n, alltoall vs allgather, EP balance under skewed and natural routing, each side a
 real training run; the same markdown / JSON / PNG outputs (tools/bench_ep.py).
+
+longest: the longest sequence each context-parallel layout (CP1, Ulysses 2, Ring 2, hybrid 4) trains within a
+per-rank memory budget, found by doubling (tools/bench_longest.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools import bench_ep, bench_memory
+from glm45v_fsdp.tools import bench_ep, bench_longest, bench_memory
 
 BARE_INPUT_KEYS = (
     "input_ids",
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     overhead.add_argument("overrides", nargs="*", help="key.path=value config overrides")
     bench_memory.add_parser(sub)
     bench_ep.add_parser(sub)
+    bench_longest.add_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
@@ -169,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_memory.main_memory(args, argv)
         if args.benchmark == "ep":
             return bench_ep.main_ep(args, argv)
+        if args.benchmark == "longest":
+            return bench_longest.main_longest(args, argv)
         run_overhead(args.steps, args.warmup, args.blocks, args.overrides, args.output)
     except UserError as error:
         print(f"bench: error: {error}", file=sys.stderr)
