@@ -37,9 +37,9 @@ from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, materialize
 from glm45v_fsdp.model.moe import MoEBlock
 from glm45v_fsdp.parallel.context import LANGUAGE_MODEL, Ulysses, apply_context_parallel, check_context_parallel
 from glm45v_fsdp.parallel.expert import apply_expert_parallel, check_expert_parallel, expert_sharded_modules
-from glm45v_fsdp.parallel.fsdp import apply_fsdp, is_sharded
+from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, is_sharded
 from glm45v_fsdp.parallel.plan import PlanMatch, format_matches, match_modules
-from glm45v_fsdp.parallel.ring import Ring, choose_block_kernel
+from glm45v_fsdp.parallel.ring import Ring, choose_block_kernel, verify_block_kernel
 from glm45v_fsdp.parallel.sequence import SplitSequence, ZigzagSequence
 from glm45v_fsdp.runtime import DeviceLayer, ParallelDims, ParallelMeshes
 from glm45v_fsdp.tools.estimate import ActivationEstimate, loss_peak_bytes
@@ -280,9 +280,9 @@ class ContextParallelPlan(Plan):
             layout = ZigzagSequence(
                 meshes.cp.get_group(), dims.cp_ring, ring_rank, dims.cp_ulysses, ulysses_rank, pad_token_id
             )
-            ring = Ring(
-                meshes.cp_ring.get_group(), dims.cp_ring, ring_rank, choose_block_kernel(kernel, ctx.device.type)
-            )
+            block_kernel = choose_block_kernel(kernel, ctx.device.type)
+            verify_block_kernel(block_kernel, ctx.torch_device, DTYPES[ctx.config.parallel.fsdp_plan.param_dtype])
+            ring = Ring(meshes.cp_ring.get_group(), dims.cp_ring, ring_rank, block_kernel)
         else:
             layout = SplitSequence(meshes.cp.get_group(), dims.cp, meshes.cp.get_local_rank(), pad_token_id)
         matches = apply_context_parallel(model, layout, ulysses, ring)

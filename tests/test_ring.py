@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextModel
 
 from glm45v_fsdp.config import RecomputeConfig, load_config
+from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.memory.recompute import apply_recompute
 from glm45v_fsdp.parallel.context import Ulysses, apply_context_parallel, check_context_parallel
 from glm45v_fsdp.parallel.ring import (
@@ -31,6 +32,7 @@ from glm45v_fsdp.parallel.ring import (
     choose_block_kernel,
     ring_pieces,
     sequence_segments,
+    verify_block_kernel,
 )
 from glm45v_fsdp.parallel.sequence import ZigzagSequence
 
@@ -136,7 +138,36 @@ def test_block_kernels_match_sdpa_with_their_lse():
     assert choose_block_kernel("sdpa", "cpu").name == "cpu_flash"
     assert choose_block_kernel("eager", "cpu").name == "reference"
     assert choose_block_kernel("sdpa", "npu").name == "npu_fusion"
-    assert choose_block_kernel("sdpa", "cuda").name == "reference"
+    assert choose_block_kernel("sdpa", "cuda").name == "cuda_efficient"
+
+
+def test_cuda_block_kernel_call_signature_on_the_meta_device():
+    """No GPU here: the CUDA kernel's calls (argument order, the lse's 32-row padding for the backward, GQA folding)
+    go through the ops' meta implementations, which check arguments and give the output shapes."""
+    kernel = BLOCK_KERNELS["cuda_efficient"]
+    q, kv = torch.empty(2, 4, 40, 16, device="meta"), torch.empty(2, 2, 40, 16, device="meta")
+    for causal in (False, True):
+        out, lse = kernel.forward(q, kv, kv, causal, 0.25)
+        assert out.shape == q.shape and lse.shape == (2, 4, 40)
+        dq, dk, dv = kernel.backward(out, q, kv, kv, out, lse, causal, 0.25)
+        assert dq.shape == q.shape and dk.shape == dv.shape == kv.shape
+
+
+class WrongLse(type(BLOCK_KERNELS["cpu_flash"])):
+    def forward(self, q, k, v, causal, scale):
+        out, lse = super().forward(q, k, v, causal, scale)
+        return out, lse + 0.1
+
+
+def test_a_fused_block_kernel_that_disagrees_stops_the_run_naming_the_key(monkeypatch):
+    for dtype in (torch.float32, torch.bfloat16):
+        verify_block_kernel(BLOCK_KERNELS["cpu_flash"], torch.device("cpu"), dtype)
+    with pytest.raises(UserError, match=r"'model.attn_implementation' = 'sdpa' chose .* relative error .*=eager"):
+        verify_block_kernel(WrongLse(), torch.device("cpu"), torch.float32)
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    monkeypatch.setattr(sys, "path", [])  # torch_npu cannot be imported
+    with pytest.raises(UserError, match="No module named 'torch_npu'"):
+        verify_block_kernel(BLOCK_KERNELS["npu_fusion"], torch.device("cpu"), torch.float32)
 
 
 class StandInTorchNpu(types.ModuleType):
@@ -216,6 +247,7 @@ def test_npu_block_kernel_through_a_stand_in_matches_the_reference(monkeypatch):
         for grad, ref_grad in zip(grads, ref_grads):
             assert grad.shape == ref_grad.shape and (grad - ref_grad).abs().max() < 1e-5
     assert stand_in.calls == ["forward", "grad"] * 2
+    verify_block_kernel(npu, torch.device("cpu"), torch.float32)  # the check a run makes before its first step
 
 
 # ---------------------------------------------------------------------------------- language model (4 gloo ranks)

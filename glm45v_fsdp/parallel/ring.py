@@ -29,7 +29,11 @@ Block kernels (`BLOCK_KERNELS`), each returning (out, lse) and taking the final 
   npu_fusion  torch_npu.npu_fusion_attention / npu_fusion_attention_grad, BNSD (NPU, sdpa); the log-sum-exp is
               softmax_max + log(softmax_sum), and the backward takes the final lse as softmax_max with a sum of 1.
               Wired against a stand-in with the documented semantics (tests/test_ring.py); unverified on hardware.
-CUDA runs the reference until the ops layer brings its fused kernels (flash / efficient attention with lse).
+  cuda_efficient  aten._scaled_dot_product_efficient_attention and its backward (CUDA, sdpa; any dtype; its lse is
+              padded to a multiple of 32 rows; key/value heads repeated for GQA inside the block, not on the wire).
+              Its call signature is checked on the meta device here; unverified on a GPU.
+A fused kernel is checked against the reference once per process before the first step (`verify_block_kernel`): a
+kernel that fails or disagrees stops the run with a message naming the key that chose it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from glm45v_fsdp.errors import ConfigError
 from glm45v_fsdp.runtime.device import torch_npu_ops
 
 # One row per piece of work: (step, batch row or -1 for every row, q_start, q_end, k_start, k_end, causal).
@@ -153,18 +158,88 @@ class NpuFusionKernel(BlockKernel):
         return grads[0], grads[1], grads[2]
 
 
+class CudaEfficientKernel(BlockKernel):
+    """PyTorch's memory-efficient attention (CUDA): any dtype, lse [B, H, ceil(Sq / 32) x 32]; no GQA, so the key/value
+    heads are repeated inside the block (after the ring moved them) and their gradients folded back."""
+
+    name = "cuda_efficient"
+    description = "aten._scaled_dot_product_efficient_attention (out + lse)"
+    LSE_ALIGN = 32
+
+    @staticmethod
+    def _repeat(t: torch.Tensor, heads: int) -> torch.Tensor:
+        return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+    def forward(self, q, k, v, causal, scale):
+        heads = q.shape[1]
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, self._repeat(k, heads), self._repeat(v, heads), None, True, 0.0, causal, scale=scale
+        )
+        return out, lse[..., : q.shape[2]]
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        heads, kv_heads = q.shape[1], k.shape[1]
+        padded = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % self.LSE_ALIGN)).contiguous()
+        no_dropout = torch.zeros((), dtype=torch.long, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout.to(q.dtype),
+            q,
+            self._repeat(k, heads),
+            self._repeat(v, heads),
+            None,
+            out,
+            padded,
+            no_dropout,
+            no_dropout,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )
+        fold = lambda t: t.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)  # noqa: E731
+        return dq, fold(dk), fold(dv)
+
+
 BLOCK_KERNELS: dict[str, BlockKernel] = {
-    kernel.name: kernel for kernel in (ReferenceKernel(), CpuFlashKernel(), NpuFusionKernel())
+    kernel.name: kernel for kernel in (ReferenceKernel(), CpuFlashKernel(), NpuFusionKernel(), CudaEfficientKernel())
 }
-FUSED_BLOCK_KERNEL = {"cpu": "cpu_flash", "npu": "npu_fusion"}
+FUSED_BLOCK_KERNEL = {"cpu": "cpu_flash", "npu": "npu_fusion", "cuda": "cuda_efficient"}
 
 
 def choose_block_kernel(attn_implementation: str, device_type: str) -> BlockKernel:
-    """eager -> the reference everywhere; sdpa -> the device's fused kernel that returns the log-sum-exp (the
-    reference where there is none yet: CUDA)."""
+    """eager -> the reference everywhere; sdpa -> the device's fused kernel that returns the log-sum-exp."""
     if attn_implementation == "sdpa" and device_type in FUSED_BLOCK_KERNEL:
         return BLOCK_KERNELS[FUSED_BLOCK_KERNEL[device_type]]
     return BLOCK_KERNELS["reference"]
+
+
+def verify_block_kernel(kernel: BlockKernel, device: torch.device, dtype: torch.dtype) -> None:
+    """Run a fused block kernel once against the reference (forward and backward, causal and full, GQA) on `device`
+    in `dtype`; ConfigError naming model.attn_implementation when it fails or disagrees."""
+    if kernel.name == "reference":
+        return
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(1, heads, 40, 16, generator=generator).to(device=device, dtype=dtype) for heads in (4, 2, 2, 4)
+    )
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    reference = BLOCK_KERNELS["reference"]
+    try:
+        for causal in (False, True):
+            out, lse = kernel.forward(q, k, v, causal, 0.25)
+            ref_out, ref_lse = reference.forward(q, k, v, causal, 0.25)
+            grads = kernel.backward(dout, q, k, v, ref_out, ref_lse, causal, 0.25)
+            ref_grads = reference.backward(dout, q, k, v, ref_out, ref_lse, causal, 0.25)
+            for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
+                error = (got.float() - want.float()).abs().max().item() / (want.float().abs().max().item() + 1e-6)
+                if not error <= tolerance:
+                    raise ValueError(f"relative error {error:.2e} against the reference (tolerance {tolerance:g})")
+    except Exception as error:  # a missing op, a rejected argument or a wrong result alike
+        raise ConfigError(
+            f"Config key 'model.attn_implementation' = 'sdpa' chose Ring attention's fused block kernel "
+            f"{kernel.description} on {device}, which failed its check against the reference: {error}. Set "
+            f"model.attn_implementation=eager to run the reference block kernel (plain PyTorch) instead."
+        ) from None
 
 
 @dataclass(frozen=True)
