@@ -389,6 +389,7 @@ def test_ring_checks():
 
 # ------------------------------------------------------------------------------------------------------- training
 
+OFFLOAD = "features.activation_offload.enabled=true"
 FEATURES = ["features.recompute.enabled=true", "features.chunk_loss.mode=static", "features.chunk_loss.chunk_size=64"]
 
 
@@ -396,13 +397,14 @@ FEATURES = ["features.recompute.enabled=true", "features.chunk_loss.mode=static"
     "nproc, layout",
     [
         (2, ["parallel.ring_attention_size=2"]),
-        (4, ["parallel.ring_attention_size=2", "parallel.ulysses_parallel_size=2"]),
+        # hybrid with activation offload too (saved q/k/v/out of the ring op go through the offload hooks)
+        (4, ["parallel.ring_attention_size=2", "parallel.ulysses_parallel_size=2", OFFLOAD]),
     ],
-    ids=["ring2", "hybrid2x2"],
+    ids=["ring2", "hybrid2x2_offload"],
 )
 def test_training_under_ring_matches_one_rank(tmp_path, parity_off, nproc, layout):
-    """Ring 2 and hybrid Ulysses 2 x Ring 2 (images in every sample, recompute, chunked loss) against the plain
-    1-rank run at the same global batch."""
+    """Ring 2 and hybrid Ulysses 2 x Ring 2 (images in every sample, recompute, chunked loss; the hybrid with
+    activation offload) against the plain 1-rank run at the same global batch."""
     result = train(tmp_path, PARITY + FEATURES + layout, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Ring attention over 2 ranks (zigzag: 2 of 4 chunks per rank), block kernel aten." in result.stdout
