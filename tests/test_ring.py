@@ -1,6 +1,7 @@
-"""Ring attention and hybrid Ulysses x Ring: the pieces of work against the mask they stand for, the split language
-model against the unsplit one (4 gloo ranks: ring 2, ring 4, hybrid 2 x 2; causal, padded, packed; GQA; both block
-kernels), what recompute does to the ring, and training under Ring CP against the 1-rank run."""
+"""Ring attention and hybrid Ulysses x Ring: the pieces of work against the mask they stand for, the attention
+alone and the split language model against the unsplit ones (4 gloo ranks: ring 2, ring 4, hybrid 2 x 2; causal,
+padded, packed; GQA; both block kernels), the fused block kernels' checks, what recompute does to the ring, and
+training under Ring CP against the 1-rank run."""
 
 from __future__ import annotations
 
@@ -23,7 +24,13 @@ from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextModel
 from glm45v_fsdp.config import RecomputeConfig, load_config
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.memory.recompute import apply_recompute
-from glm45v_fsdp.parallel.context import Ulysses, apply_context_parallel, check_context_parallel
+from glm45v_fsdp.parallel.context import (
+    Ulysses,
+    apply_context_parallel,
+    check_context_parallel,
+    context_attention,
+    ring_mask,
+)
 from glm45v_fsdp.parallel.ring import (
     BLOCK_KERNELS,
     RING_ATTENTION_OP,
@@ -326,9 +333,61 @@ class CountRings(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def attention_alone(layout_name: str, kv_heads: int, kernel: str, mask: str, groups: Groups) -> dict:
+    """The context attention function alone (Ulysses exchange and/or ring) on this rank's shards of q/k/v against
+    sdpa on the whole sequence with transformers' mask: output and the q/k/v gradients, relative max errors."""
+    cp, ring_group, ring, ring_rank, ulysses_group, ulysses, ulysses_rank = groups.layouts[layout_name]
+    layout = ZigzagSequence(cp, ring, ring_rank, ulysses, ulysses_rank, pad_token_id=0)
+    generator = torch.Generator().manual_seed(11)
+    data = inputs(mask)
+    batch, heads, dim = data["inputs_embeds"].shape[0], 4, 8
+    q = torch.randn(batch, heads, SEQ, dim, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, SEQ, dim, generator=generator) for _ in range(2))
+    dout = torch.randn(batch, SEQ, heads, dim, generator=generator)
+    # the reference: sdpa with what transformers allows (causal, same packed sample, key not padding)
+    text_positions = data["position_ids"][0] if mask == "packed" else None
+    attention_mask = data["attention_mask"]
+    allowed = torch.stack(
+        [
+            allowed_matrix(
+                SEQ,
+                attention_mask[row].tolist() if attention_mask is not None else None,
+                text_positions[row].tolist() if text_positions is not None else None,
+            )
+            for row in range(batch)
+        ]
+    )
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *full, attn_mask=allowed[:, None], scale=dim**-0.5, enable_gqa=True
+    ).transpose(1, 2)
+    (expected * dout).sum().backward()
+    module = types.SimpleNamespace(
+        ulysses=Ulysses(ulysses_group, ulysses, kernel),
+        ring=Ring(ring_group, ring, ring_rank, choose_block_kernel(kernel, "cpu")),
+        num_key_value_groups=heads // kv_heads,
+    )
+    local = [layout.shard(t, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    pieces = ring_mask(layout, SEQ, attention_mask, text_positions)
+    output, _ = context_attention(module, *local, pieces, scaling=dim**-0.5)
+    (output * layout.shard(dout, dim=1)).sum().backward()
+
+    def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+        return (got - want).abs().max().item() / want.abs().max().item()
+
+    return {
+        "output": relative(layout.unshard(output.contiguous(), dim=1), expected),
+        "grad": max(relative(layout.unshard(t.grad, dim=2), f.grad) for t, f in zip(local, full)),
+    }
+
+
 def _ring_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     groups = Groups(rank)
+    alone = {
+        f"{layout_name} kv {kv_heads} {kernel} {mask}": attention_alone(layout_name, kv_heads, kernel, mask, groups)
+        for layout_name, _, kv_heads, kernel, mask in CASES
+    }
     errors = {}
     for layout_name, heads, kv_heads, kernel, mask in CASES:
         reference, root, layout, cp = split_model(layout_name, heads, kv_heads, kernel, groups)
@@ -353,7 +412,7 @@ def _ring_worker(rank: int, world: int, port: int, out: str) -> None:
             output.sum().backward()
         rings[f"{recompute} keep_attention={keep_attention}"] = counter.count
     with open(f"{out}.{rank}", "w") as handle:
-        json.dump({"errors": errors, "rings": rings}, handle)
+        json.dump({"alone": alone, "errors": errors, "rings": rings}, handle)
     end_worker()
 
 
@@ -361,6 +420,9 @@ def test_ring_language_model_matches_unsplit(tmp_path):
     mp.spawn(_ring_worker, args=(4, free_port(), str(tmp_path / "errors")), nprocs=4, join=True)
     for rank in range(4):
         found = json.loads((tmp_path / f"errors.{rank}").read_text())
+        assert len(found["alone"]) == len(CASES)
+        for case, figures in found["alone"].items():
+            assert figures["output"] < 1e-5 and figures["grad"] < 1e-5, (rank, case, figures)
         assert len(found["errors"]) == len(CASES)
         for case, figures in found["errors"].items():
             assert figures["shape"] == figures["expected_shape"], case
