@@ -71,7 +71,7 @@ def test_overrides_merge_onto_yaml_dicts(tmp_path):
         ("training.deterministic=maybe", "'training.deterministic' expects bool"),
         ("training.lr", "has no '='"),
         ("training.min_lr=1.0", "'training.min_lr' = 1.0 is invalid"),
-        ("parallel.ring_attention_size=2", "not supported by this version yet"),
+        ("parallel.ring_attention_size=0", "'parallel.ring_attention_size' = 0 is invalid"),
         ("features.ep_balance.enabled=true", "needs expert parallelism with the alltoall dispatcher"),
         ("parallel.ep_plan.dispatcher=broadcast", "is not one of ['alltoall', 'allgather']"),
         ("model.router_skew=-1", "'model.router_skew' = -1.0 is invalid"),
