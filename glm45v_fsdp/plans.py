@@ -282,7 +282,7 @@ class ContextParallelPlan(Plan):
             )
             block_kernel = choose_block_kernel(kernel, ctx.device.type)
             verify_block_kernel(block_kernel, ctx.torch_device, DTYPES[ctx.config.parallel.fsdp_plan.param_dtype])
-            ring = Ring(meshes.cp_ring.get_group(), dims.cp_ring, ring_rank, block_kernel)
+            ring = Ring(meshes.cp_ring.get_group(), dims.cp_ring, block_kernel)
         else:
             layout = SplitSequence(meshes.cp.get_group(), dims.cp, meshes.cp.get_local_rank(), pad_token_id)
         matches = apply_context_parallel(model, layout, ulysses, ring)

@@ -315,9 +315,7 @@ def split_model(layout_name: str, heads: int, kv_heads: int, kernel: str, groups
     cp, ring_group, ring, ring_rank, ulysses_group, ulysses, ulysses_rank = groups.layouts[layout_name]
     layout = ZigzagSequence(cp, ring, ring_rank, ulysses, ulysses_rank, pad_token_id=0)
     block_kernel = choose_block_kernel(kernel, "cpu")
-    apply_context_parallel(
-        root, layout, Ulysses(ulysses_group, ulysses, kernel), Ring(ring_group, ring, ring_rank, block_kernel)
-    )
+    apply_context_parallel(root, layout, Ulysses(ulysses_group, ulysses, kernel), Ring(ring_group, ring, block_kernel))
     return reference, root, layout, cp
 
 
@@ -364,7 +362,7 @@ def attention_alone(layout_name: str, kv_heads: int, kernel: str, mask: str, gro
     (expected * dout).sum().backward()
     module = types.SimpleNamespace(
         ulysses=Ulysses(ulysses_group, ulysses, kernel),
-        ring=Ring(ring_group, ring, ring_rank, choose_block_kernel(kernel, "cpu")),
+        ring=Ring(ring_group, ring, choose_block_kernel(kernel, "cpu")),
         num_key_value_groups=heads // kv_heads,
     )
     local = [layout.shard(t, dim=2).clone().requires_grad_() for t in (q, k, v)]

@@ -244,11 +244,10 @@ def verify_block_kernel(kernel: BlockKernel, device: torch.device, dtype: torch.
 
 @dataclass(frozen=True)
 class Ring:
-    """The ring of one CP group: its process group, size, this rank's place and the block kernel."""
+    """The ring of one CP group: its process group (ring order = group rank order), size and block kernel."""
 
     group: dist.ProcessGroup
     size: int
-    rank: int
     kernel: BlockKernel
 
     def describe(self) -> str:
