@@ -74,6 +74,9 @@ class FsdpPlanConfig:
     reduce_dtype: DTypeName = "fp32"
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    # Consecutive modules of one pattern are merged into one FSDP2 unit until it holds at least this many MiB of
+    # parameters (fewer, larger collectives); 0: one unit per matched module.
+    unit_mib: float = 0.0
 
 
 @dataclass
@@ -649,6 +652,12 @@ def validate(config: Config) -> None:
                 f"parallel.expert_parallel_size > 1 with dispatcher=alltoall, or features.ep_balance.enabled=false."
             )
     _require(bool(p.fsdp_plan.apply_modules), "parallel.fsdp_plan.apply_modules", [], "a non-empty list of patterns")
+    _require(
+        p.fsdp_plan.unit_mib >= 0,
+        "parallel.fsdp_plan.unit_mib",
+        p.fsdp_plan.unit_mib,
+        ">= 0 (MiB; 0: a unit per module)",
+    )
     chunk = config.features.chunk_loss
     _require(chunk.chunk_size >= 1, "features.chunk_loss.chunk_size", chunk.chunk_size, "an integer >= 1")
     if chunk.total_chunk_size is not None:

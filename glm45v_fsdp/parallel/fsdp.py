@@ -19,6 +19,7 @@ from torch.distributed.tensor import Shard
 
 from glm45v_fsdp.config import FsdpPlanConfig
 from glm45v_fsdp.errors import ConfigError
+from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -63,14 +64,20 @@ def apply_fsdp(
         )
     if mesh.size() == 1 and not plan.cpu_offload:
         return matches
-    selected = sorted(selected_names - set(expert_units), key=lambda n: -n.count("."))
+    groups = unit_groups(model, matches, set(required_units) | set(expert_units), plan.unit_mib)
+    groups = sorted((g for g in groups if g[0] not in expert_units), key=lambda g: -g[0].count("."))
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan.param_dtype], reduce_dtype=DTYPES[plan.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if plan.cpu_offload else OffloadPolicy()
-    units = [(name, expert_mesh, lambda param: Shard(1)) for name in expert_units]
-    units += [(name, mesh, None) for name in selected]
-    for name, unit_mesh, placement in units:
+    if plan.unit_mib > 0:
+        merged = sum(len(group) for group in groups)
+        get_logger().info(
+            "FSDP units: %d planned module(s) in %d unit(s) (unit_mib %g)", merged, len(groups), plan.unit_mib
+        )
+    units = [([name], expert_mesh, lambda param: Shard(1)) for name in expert_units]
+    units += [(group, mesh, None) for group in groups]
+    for names, unit_mesh, placement in units:
         fully_shard(
-            present[name],
+            present[names[0]] if len(names) == 1 else [present[name] for name in names],
             mesh=unit_mesh,
             mp_policy=policy,
             offload_policy=offload,
@@ -85,6 +92,39 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return matches
+
+
+def unit_groups(model: nn.Module, matches: list[PlanMatch], alone: set[str], unit_mib: float) -> list[list[str]]:
+    """The FSDP2 units of a plan: each pattern's matched modules in model order, consecutive ones merged until a
+    unit holds at least `unit_mib` MiB of parameters (0: every module alone). Modules in `alone` (required units,
+    expert stacks) and modules nested in one another are never merged; a module matched by several patterns is
+    taken once, by the first."""
+    sizes = {
+        name: sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
+        for name, module in model.named_modules()
+    }
+    groups: list[list[str]] = []
+    seen: set[str] = set()
+    for match in matches:
+        current: list[str] = []
+        for name in match.names:
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in alone or unit_mib == 0:
+                groups += [current, [name]] if current else [[name]]
+                current = []
+                continue
+            if any(name.startswith(f"{other}.") or other.startswith(f"{name}.") for other in current):
+                groups.append(current)
+                current = []
+            current.append(name)
+            if sum(sizes[member] for member in current) >= unit_mib:
+                groups.append(current)
+                current = []
+        if current:
+            groups.append(current)
+    return groups
 
 
 def is_sharded(model: nn.Module) -> bool:

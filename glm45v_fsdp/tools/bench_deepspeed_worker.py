@@ -1,0 +1,146 @@
+"""One run of `bench deepspeed`: a training script written against the DeepSpeed API, on transformers' tiny GLM-4.5V.
+
+`torchrun --nproc_per_node 2 -m glm45v_fsdp.tools.bench_deepspeed_worker --backend deepspeed|ds_compat --zero N
+--out FILE`: the same script for both backends, the only difference is the import (`import deepspeed` or
+`import ds_compat as deepspeed`). The model is transformers' `Glm4vMoeForConditionalGeneration` (the tiny preset with
+`--text-layers` text layers, 8 routed experts, a 2-block vision tower), built with the same seed on every rank and
+backend; the batches come from the built-in synthetic image-text data (`--text-tokens` text tokens and one image of
+`--image-size` px per sample), micro batch `--micro`, the same samples in the same order on both backends. The loss is
+transformers' own (`model(**batch, labels=...)`). Rank 0 writes per step the wall ms (device synchronised), the loss
+averaged over ranks, and the peak of live tensor bytes of one extra, untimed step (CPU: every tensor Python can
+reach at its start counts as already live, so both backends' flat buffers and shards are included); with
+`--profile`, torch.profiler's top ops of the timed steps 6-10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def ds_config(args: argparse.Namespace) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": args.zero},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True},
+        },
+        "steps_per_print": 10**6,
+        "wall_clock_breakdown": False,
+    }
+    if args.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def build_model_and_batches(args: argparse.Namespace, rank: int, world: int):
+    from transformers import Glm4vMoeForConditionalGeneration
+
+    from glm45v_fsdp.builders import build_training_data
+    from glm45v_fsdp.config import load_config
+    from glm45v_fsdp.data.collate import BATCH_METADATA_KEYS, collate
+    from glm45v_fsdp.model.builder import load_hf_config
+
+    config = load_config(
+        None,
+        [
+            f"model.config_overrides.text_config.num_hidden_layers={args.text_layers}",
+            f"data.synthetic_text_tokens={args.text_tokens}",
+            f"data.synthetic_image_size={args.image_size}",
+            "data.synthetic_images_per_sample=1",
+            f"data.synthetic_samples={(args.steps + 1) * args.micro * world}",
+        ],
+    )
+    hf_config = load_hf_config(config.model)
+    hf_config._attn_implementation = "sdpa"
+    torch.manual_seed(1234)
+    model = Glm4vMoeForConditionalGeneration(hf_config)
+    data = build_training_data(config, hf_config)
+    batches = []
+    for step in range(args.steps + 1):
+        first = (step * world + rank) * args.micro
+        samples = [data.dataset[index] for index in range(first, first + args.micro)]
+        batch = collate(samples, data.tokenizer.pad_token_id)
+        batches.append({key: value for key, value in batch.items() if key not in BATCH_METADATA_KEYS})
+    return model, batches
+
+
+def live_tensors() -> list[torch.Tensor]:
+    return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not obj.is_meta]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", choices=("deepspeed", "ds_compat"), required=True)
+    parser.add_argument("--zero", type=int, default=2)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--text-layers", type=int, default=2)
+    parser.add_argument("--text-tokens", type=int, default=256)
+    parser.add_argument("--image-size", type=int, default=112, help="112 px: one image of 8 x 8 = 64 patches")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    if args.backend == "deepspeed":
+        import deepspeed
+    else:
+        import ds_compat as deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    model, batches = build_model_and_batches(args, rank, world)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
+
+    def step(batch: dict) -> float:
+        inputs = {key: value.to(engine.device) for key, value in batch.items()}
+        loss = engine(**inputs).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach().float()
+
+    ms, losses, profile = [], [], None
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
+    for index, batch in enumerate(batches[: args.steps]):
+        if profiler is not None and index == 5:
+            profiler.start()
+        started = time.perf_counter()
+        loss = step(batch)
+        mean = loss.clone()
+        deepspeed.comm.all_reduce(mean)
+        ms.append((time.perf_counter() - started) * 1000.0)
+        losses.append(mean.item() / world)
+        if profiler is not None and index == 9:
+            profiler.stop()
+            profile = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+
+    from glm45v_fsdp.runtime.device import DeviceLayer
+    from glm45v_fsdp.runtime.memory import MemoryMeter
+
+    meter = MemoryMeter(DeviceLayer(engine.device.type, "gloo"), enabled=True)
+    with meter.track(live_tensors()):
+        step(batches[args.steps])
+    peak = torch.tensor(float(meter.peak_bytes()))
+    deepspeed.comm.all_reduce(peak, op=deepspeed.comm.ReduceOp.MAX)
+    if rank == 0:
+        result = {"ms": ms, "losses": losses, "peak_bytes_max": peak.item(), "profile": profile}
+        with open(args.out, "w") as handle:
+            json.dump(result, handle)
+    deepspeed.comm.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's process-group teardown aborts now and then after a finished run; nothing is left to do
+
+
+if __name__ == "__main__":
+    main()
