@@ -123,12 +123,12 @@ def _parent(tree: dict, path: str) -> tuple[dict | None, str]:
 
 
 def _auto_may_stay(path: str) -> bool:
-    """'auto' on a key without effect on FSDP2 (e.g. the HF bucket sizes), or on AutoEP's routing keys (where it
-    means the model's own routing), needs no value."""
+    """'auto' on a key without effect on FSDP2, on the bucket sizes (DeepSpeed's default unit size), or on AutoEP's
+    routing keys (where it means the model's own routing), needs no value."""
     top, _, rest = path.partition(".")
     return (
         top in ds_keys.NO_EFFECT_TOP
-        or (top == "zero_optimization" and rest in ds_keys.ZERO_NO_EFFECT)
+        or (top == "zero_optimization" and (rest in ds_keys.ZERO_NO_EFFECT or rest in ds_keys.BUCKET_KEYS))
         or (top == "expert_parallel" and ds_keys.EXPERT_PARALLEL_ROUTING.get(rest) == "auto")
     )
 

@@ -41,15 +41,21 @@ ZERO_ALIASES: dict[str, str] = {
     "stage3_use_all_reduce_for_fetch_params": "use_all_reduce_for_fetch_params",
     "stage3_allgather_sequential": "allgather_sequential",
 }
+# zero_optimization bucket sizes (elements) and DeepSpeed 0.19's defaults: they set the FSDP2 unit size
+# (parallel.fsdp_plan.unit_mib): reduce / all-gather buckets at stages 0-2, the prefetch bucket at stage 3.
+BUCKET_KEYS: dict[str, float] = {
+    "reduce_bucket_size": 5e8,
+    "allgather_bucket_size": 5e8,
+    "stage3_prefetch_bucket_size": 5e7,
+    "prefetch_bucket_size": 5e7,
+}
 # zero_optimization keys that tune DeepSpeed's own buckets, streams, partitioning and checkpoint gathering.
 ZERO_NO_EFFECT: frozenset[str] = frozenset(
     {
         "contiguous_gradients",
         "reduce_scatter",
-        "reduce_bucket_size",
         "use_multi_rank_bucket_allreduce",
         "allgather_partitions",
-        "allgather_bucket_size",
         "overlap_comm",
         "compute_grad_norm",
         "load_from_fp32_weights",
@@ -69,8 +75,8 @@ ZERO_NO_EFFECT: frozenset[str] = frozenset(
         "enable_sanity_checks",
         "save_muon_momentum_buffer_in_memory",
         "leaf_module",
-        *ZERO_ALIASES,
-        *ZERO_ALIASES.values(),
+        *(alias for alias in ZERO_ALIASES if alias not in BUCKET_KEYS),
+        *(name for name in ZERO_ALIASES.values() if name not in BUCKET_KEYS),
     }
 )
 # zero_optimization keys read by the translation; with ZERO_NO_EFFECT and the cannot-honour ones below, all of
@@ -123,7 +129,7 @@ _MONITOR_PATH_KEYS = frozenset({"enabled", "output_path", "job_name"})
 
 # Sections whose DeepSpeed model forbids undefined keys (nested offload sections are checked on their own).
 STRICT_SECTIONS: dict[str, frozenset[str]] = {
-    "zero_optimization": ZERO_MAPPED | ZERO_NO_EFFECT | frozenset(ZERO_UNSUPPORTED),
+    "zero_optimization": ZERO_MAPPED | frozenset(BUCKET_KEYS) | ZERO_NO_EFFECT | frozenset(ZERO_UNSUPPORTED),
     "fp16": FP16_KEYS,
     "bf16": BF16_KEYS,
     "bfloat16": BF16_KEYS,

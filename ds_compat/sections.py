@@ -116,6 +116,33 @@ def _offload_device(zero: dict, key: str, allowed: frozenset[str], legacy: str, 
     return device
 
 
+def _bucket_elements(zero: dict, key: str) -> tuple[float, bool]:
+    """A bucket size in elements, and whether the config set it: DeepSpeed's default when absent or 'auto'."""
+    value = zero.get(key, "auto")
+    if value == "auto":
+        return ds_keys.BUCKET_KEYS[key], False
+    return as_float(f"zero_optimization.{key}", value, minimum=0.0), True
+
+
+def _unit_mib(zero: dict, stage: int, report: Report) -> float:
+    """DeepSpeed's bucket sizes -> the FSDP2 unit size: a unit is what one collective moves, as a bucket is. Stages
+    0-2 reduce (and all-gather) in buckets of reduce_bucket_size / allgather_bucket_size elements; stage 3 fetches
+    parameters ahead in buckets of stage3_prefetch_bucket_size elements. Elements count 4 bytes (fp32 parameters)."""
+    if stage == 3:
+        keys = ["stage3_prefetch_bucket_size" if "stage3_prefetch_bucket_size" in zero else "prefetch_bucket_size"]
+    else:
+        keys = ["reduce_bucket_size", "allgather_bucket_size"]
+    key = max(keys, key=lambda name: _bucket_elements(zero, name)[0])
+    elements, explicit = _bucket_elements(zero, key)
+    unit_mib = round(elements * 4 / 2**20, 3)
+    report.note(
+        f"zero_optimization.{key}{'' if explicit else ' (DeepSpeed default)'} = {elements:.3g} elements -> "
+        f"parallel.fsdp_plan.unit_mib = {unit_mib:g}: consecutive layers are merged into FSDP2 units of at least "
+        "that many MiB of parameters (one collective each), as DeepSpeed fills a bucket."
+    )
+    return unit_mib
+
+
 def map_zero(ds: dict, dp: int, report: Report) -> int:
     raw = ds.get("zero_optimization")
     if isinstance(raw, bool):
@@ -173,6 +200,7 @@ def map_zero(ds: dict, dp: int, report: Report) -> int:
 
     report.override("parallel.data_parallel_replicate_size", dp if stage == 0 else 1)
     report.override("parallel.fsdp_plan.reshard_after_forward", stage == 3)
+    report.override("parallel.fsdp_plan.unit_mib", _unit_mib(zero, stage, report))
     if stage == 0:
         report.note(
             "ZeRO stage 0 -> replicated data parallel: parallel.data_parallel_replicate_size = the data-parallel "

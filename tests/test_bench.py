@@ -250,3 +250,33 @@ def test_longest_bench_doubles_until_the_budget_and_judges_the_ratio(tmp_path):
     assert "| ring2 | 2 | 4096 | 2.00 |" in (tmp_path / "longest.md").read_text()
     assert bench.main(["longest", "--ranks", "3", "--out", str(tmp_path)]) == 2  # not a multiple of cp 2
     assert bench.main(["longest", "--layouts", "ring2", "--out", str(tmp_path)]) == 2  # cp1 is the reference
+
+
+def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, monkeypatch):
+    """Faked runs (no processes): the order alternates per round, the ratio is DeepSpeed ms / ds_compat ms per round,
+    ZeRO-3 is judged against 1.6x and the others against 1.0x, and the loss parity is reported."""
+    from glm45v_fsdp.tools import bench, bench_deepspeed
+
+    order = []
+    speed = {"deepspeed": {1: 50.0, 3: 120.0}, "ds_compat": {1: 40.0, 3: 80.0}}
+
+    def fake_execute(name, command, output_dir, timeout, threads=None, bench="", records=True):
+        backend = next(arg.split("=")[1] for arg in command if arg.startswith("--backend="))
+        zero = int(next(arg.split("=")[1] for arg in command if arg.startswith("--zero=")))
+        order.append((zero, backend))
+        out = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--out="))
+        losses = [2.0, 1.9, 1.8] if backend == "deepspeed" else [2.0, 1.9, 1.8 * (1 + 1.5e-5)]
+        result = {"ms": [999.0] + [speed[backend][zero]] * 5, "losses": losses, "peak_bytes_max": 2.0**20}
+        Path(out).write_text(json.dumps(result))
+        return [], 1.0, 1.0
+
+    monkeypatch.setattr(bench_deepspeed, "execute", fake_execute)
+    argv = ["deepspeed", "--zero", "1,3", "--steps", "6", "--warmup", "1", "--rounds", "2", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert order[:2] == [(1, "deepspeed"), (1, "ds_compat")] and order[4:6] == [(1, "ds_compat"), (1, "deepspeed")]
+    rows = {r["zero"]: r for r in json.loads((tmp_path / "deepspeed.json").read_text())["rows"]}
+    assert rows[1]["throughput_ratio"] == pytest.approx(1.25) and rows[1]["ratio_per_round"] == [1.25, 1.25]
+    assert rows[3]["throughput_ratio"] == pytest.approx(1.5) and not rows[3]["pass"]  # below the 1.6x goal
+    assert rows[1]["loss_mean_rel_err"] == pytest.approx(5e-6, rel=1e-3) and rows[1]["pass"]
+    assert "| 3 | fp32 | 120.0 | 80.0 | 1.50× (1.50, 1.50) |" in (tmp_path / "deepspeed.md").read_text()
+    assert bench.main(["deepspeed", "--dtype", "fp8", "--out", str(tmp_path)]) == 2

@@ -502,8 +502,8 @@ def test_auto_values_are_filled_from_the_base_config():
         "total_num_steps": 200,
     }
     assert ds["bf16"]["enabled"] is True and translation.precision == "bf16"
-    assert ds["zero_optimization"]["reduce_bucket_size"] == "auto"  # no effect on FSDP2: needs no value
-    assert "zero_optimization.reduce_bucket_size" in translation.no_effect
+    assert ds["zero_optimization"]["reduce_bucket_size"] == "auto"  # DeepSpeed's default bucket: needs no value
+    assert unit_mib_of(translation) == pytest.approx(5e7 * 4 / 2**20, abs=1e-3)  # stage 3: the prefetch bucket
     assert any(line.startswith("train_batch_size: auto -> 32") for line in translation.auto_filled)
     fp32_base = config_from_dict({"parallel": {"fsdp_plan": {"param_dtype": "fp32"}}})
     resolved, _ = resolve_auto(HF_ZERO2, fp32_base, 2)
@@ -659,11 +659,10 @@ def test_no_effect_keys_are_listed_once():
     }
     translation = translate(config, 2)
     assert len(translation.no_effect) == len(set(translation.no_effect))
+    assert not any("bucket_size" in key for key in translation.no_effect)  # they set the FSDP2 unit size
     assert {
         "zero_optimization.overlap_comm",
         "zero_optimization.contiguous_gradients",
-        "zero_optimization.reduce_bucket_size",
-        "zero_optimization.allgather_bucket_size",
         "zero_optimization.offload_optimizer.pin_memory",
         "zero_optimization.offload_optimizer.buffer_count",
         "zero_optimization.offload_param",
@@ -990,3 +989,24 @@ def test_explain_without_config_uses_the_trainers_default_config(capsys):
     assert data["batch"]["train_micro_batch_size_per_gpu"] == trainer_default.micro_batch_size
     assert main(["explain", str(shipped), "--world-size", "2", "--config", "glm45v_106b_sft"]) == 0
     assert "Batch: train_batch_size" in capsys.readouterr().out
+
+
+def unit_mib_of(translation) -> float:
+    (item,) = [item for item in translation.overrides if item.startswith("parallel.fsdp_plan.unit_mib=")]
+    return float(item.split("=", 1)[1])
+
+
+@pytest.mark.parametrize(
+    "zero, unit_mib",
+    [
+        ({"stage": 2}, 5e8 * 4 / 2**20),  # DeepSpeed's default reduce / all-gather bucket
+        ({"stage": 1, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**22}, 16.0),  # the larger bucket
+        ({"stage": 3}, 5e7 * 4 / 2**20),  # DeepSpeed's default prefetch bucket
+        ({"stage": 3, "stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": 2**30}, 5e7 * 4 / 2**20),
+        ({"stage": 3, "prefetch_bucket_size": 2**18}, 1.0),
+    ],
+)
+def test_bucket_sizes_set_the_fsdp_unit_size(zero, unit_mib):
+    translation = translate({"train_batch_size": 8, "zero_optimization": zero}, 2)
+    assert unit_mib_of(translation) == pytest.approx(unit_mib, abs=1e-3)
+    assert any("-> parallel.fsdp_plan.unit_mib" in note for note in translation.notes)

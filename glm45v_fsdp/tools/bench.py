@@ -1,4 +1,4 @@
-"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory|ep|longest [options] [key.path=value ...]`
+"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory|ep|longest|deepspeed [options] [overrides]`
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -13,6 +13,9 @@ real training run; the same markdown / JSON / PNG outputs (tools/bench_ep.py).
 
 longest: the longest sequence each context-parallel layout (CP1, Ulysses 2, Ring 2, hybrid 4) trains within a
 per-rank memory budget, found by doubling (tools/bench_longest.py).
+
+deepspeed: one DeepSpeed-API script on transformers' tiny GLM-4.5V, the real DeepSpeed against ds_compat, per ZeRO
+stage and dtype, interleaved rounds (tools/bench_deepspeed.py).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools import bench_ep, bench_longest, bench_memory
+from glm45v_fsdp.tools import bench_deepspeed, bench_ep, bench_longest, bench_memory
 
 BARE_INPUT_KEYS = (
     "input_ids",
@@ -166,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_memory.add_parser(sub)
     bench_ep.add_parser(sub)
     bench_longest.add_parser(sub)
+    bench_deepspeed.add_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
@@ -175,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_ep.main_ep(args, argv)
         if args.benchmark == "longest":
             return bench_longest.main_longest(args, argv)
+        if args.benchmark == "deepspeed":
+            return bench_deepspeed.main_deepspeed(args, argv)
         run_overhead(args.steps, args.warmup, args.blocks, args.overrides, args.output)
     except UserError as error:
         print(f"bench: error: {error}", file=sys.stderr)

@@ -281,9 +281,11 @@ def execute(
     timeout: float | None,
     threads: int | None = None,
     bench: str = "bench memory",
+    records: bool = True,
 ) -> tuple[list[dict], float, float]:
-    """Run one training process; its stdout/stderr go to <output_dir>/train.log. Returns its step records, its wall
-    seconds and its CPU seconds (user + sys of it and its children)."""
+    """Run one training process; its stdout/stderr go to <output_dir>/train.log. Returns its step records (none with
+    records=False: a process that writes its own result), its wall seconds and its CPU seconds (user + sys of it and
+    its children)."""
     output_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     cpu_started = _children_cpu_s()
@@ -305,9 +307,8 @@ def execute(
             f"{bench}: run '{name}' failed (exit status {result.returncode}); last lines of "
             f"{output_dir / 'train.log'}:\n" + "\n".join(tail)
         )
-    metrics = output_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return records, time.perf_counter() - started, _children_cpu_s() - cpu_started
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines() if records else []
+    return [json.loads(line) for line in lines], time.perf_counter() - started, _children_cpu_s() - cpu_started
 
 
 def offload_figures(records: list[dict]) -> dict[str, float]:
