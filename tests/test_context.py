@@ -44,19 +44,21 @@ def text_config(heads: int, kv_heads: int, kernel: str):
     return config.text_config
 
 
-def inputs(mask: str) -> dict:
-    """Model inputs as Glm4vMoeModel hands them to its language model: embeddings, positions, padding mask."""
+def inputs(mask: str, length: int = SEQ, padding_from: int = 7, samples: tuple[int, ...] = (5, 7)) -> dict:
+    """Model inputs as Glm4vMoeModel hands them to its language model: embeddings, positions, padding mask. "causal":
+    2 full rows; "padding": the second row padded from `padding_from`; "packed": one row of `samples` (lengths)."""
     generator = torch.Generator().manual_seed(5)
     batch = 1 if mask == "packed" else 2
-    embeds = torch.randn(batch, SEQ, 64, generator=generator)
-    positions = torch.arange(SEQ).expand(3, batch, SEQ).clone()
+    embeds = torch.randn(batch, length, 64, generator=generator)
+    positions = torch.arange(length).expand(3, batch, length).clone()
     attention_mask = None
     if mask == "padding":
-        attention_mask = torch.ones(batch, SEQ, dtype=torch.long)
-        attention_mask[1, 7:] = 0
-        positions[:, 1, 7:] = 0
-    if mask == "packed":  # samples of 5 and 7 tokens: row 0 restarts the text positions
-        text = torch.cat([torch.arange(5), torch.arange(7)])
+        attention_mask = torch.ones(batch, length, dtype=torch.long)
+        attention_mask[1, padding_from:] = 0
+        positions[:, 1, padding_from:] = 0
+    if mask == "packed":  # row 0 restarts the text positions at every sample
+        assert sum(samples) == length
+        text = torch.cat([torch.arange(n) for n in samples])
         positions = torch.cat([text[None, None], positions])
     return {"inputs_embeds": embeds, "position_ids": positions, "attention_mask": attention_mask}
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import PARITY, end_worker, free_port, mean_relative_error, read_metrics, train
 from test_context import compare_split, text_config
+from test_context import inputs as context_inputs
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextModel
@@ -275,19 +276,9 @@ CASES = [
 
 
 def inputs(mask: str) -> dict:
-    generator = torch.Generator().manual_seed(5)
-    batch = 1 if mask == "packed" else 2
-    embeds = torch.randn(batch, SEQ, 64, generator=generator)
-    positions = torch.arange(SEQ).expand(3, batch, SEQ).clone()
-    attention_mask = None
-    if mask == "padded":
-        attention_mask = torch.ones(batch, SEQ, dtype=torch.long)
-        attention_mask[1, 15:] = 0
-        positions[:, 1, 15:] = 0
-    if mask == "packed":  # three samples of unequal length, text positions restarting
-        text = torch.cat([torch.arange(n) for n in (5, 12, 7)])
-        positions = torch.cat([text[None, None], positions])
-    return {"inputs_embeds": embeds, "position_ids": positions, "attention_mask": attention_mask}
+    """test_context's inputs on SEQ tokens: "padded" pads the second row from 15, "packed" holds three samples of
+    unequal length (5, 12, 7)."""
+    return context_inputs("padding" if mask == "padded" else mask, SEQ, padding_from=15, samples=(5, 12, 7))
 
 
 class Groups:
