@@ -357,7 +357,7 @@ def attention_alone(layout_name: str, kv_heads: int, kernel: str, mask: str, gro
         num_key_value_groups=heads // kv_heads,
     )
     local = [layout.shard(t, dim=2).clone().requires_grad_() for t in (q, k, v)]
-    pieces = ring_mask(layout, SEQ, attention_mask, text_positions)
+    pieces = ring_mask(layout, batch, SEQ, attention_mask, text_positions)
     output, _ = context_attention(module, *local, pieces, scaling=dim**-0.5)
     (output * layout.shard(dout, dim=1)).sum().backward()
 

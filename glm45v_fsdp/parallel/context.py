@@ -121,13 +121,16 @@ AttentionInterface.register(CONTEXT_ATTENTION, context_attention)
 
 
 def ring_mask(
-    layout: ZigzagSequence, length: int, attention_mask: torch.Tensor | None, text_positions: torch.Tensor | None
+    layout: ZigzagSequence,
+    batch: int,
+    length: int,
+    attention_mask: torch.Tensor | None,
+    text_positions: torch.Tensor | None,
 ) -> torch.Tensor:
     """The ring's pieces of work for this micro batch (host integers: one device-to-host copy of the mask and the
     packed positions per micro batch, none per layer)."""
     masks = attention_mask.tolist() if attention_mask is not None else None
     positions = text_positions.tolist() if text_positions is not None else None
-    batch = len(masks) if masks is not None else (len(positions) if positions is not None else 1)
     rows = [
         sequence_segments(
             length, masks[row] if masks is not None else None, positions[row] if positions is not None else None
@@ -160,7 +163,7 @@ def _language_model_forward(
     else:
         text_position_ids = None
     if isinstance(layout, ZigzagSequence):
-        mask = ring_mask(layout, inputs_embeds.shape[1], attention_mask, text_position_ids)
+        mask = ring_mask(layout, *inputs_embeds.shape[:2], attention_mask, text_position_ids)
     else:
         mask = create_causal_mask(
             config=module.config,

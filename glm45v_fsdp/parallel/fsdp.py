@@ -99,10 +99,10 @@ def unit_groups(model: nn.Module, matches: list[PlanMatch], alone: set[str], uni
     unit holds at least `unit_mib` MiB of parameters (0: every module alone). Modules in `alone` (required units,
     expert stacks) and modules nested in one another are never merged; a module matched by several patterns is
     taken once, by the first."""
-    sizes = {
-        name: sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
-        for name, module in model.named_modules()
-    }
+
+    def mib(name: str) -> float:
+        return sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters()) / 2**20
+
     groups: list[list[str]] = []
     seen: set[str] = set()
     for match in matches:
@@ -119,7 +119,7 @@ def unit_groups(model: nn.Module, matches: list[PlanMatch], alone: set[str], uni
                 groups.append(current)
                 current = []
             current.append(name)
-            if sum(sizes[member] for member in current) >= unit_mib:
+            if sum(mib(member) for member in current) >= unit_mib:
                 groups.append(current)
                 current = []
         if current:

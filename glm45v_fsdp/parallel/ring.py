@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from glm45v_fsdp.errors import ConfigError
-from glm45v_fsdp.runtime.device import torch_npu_ops
+from glm45v_fsdp.runtime.device import import_torch_npu
 
 # One row per piece of work: (step, batch row or -1 for every row, q_start, q_end, k_start, k_end, causal).
 PIECE_COLUMNS = 7
@@ -133,7 +133,7 @@ class NpuFusionKernel(BlockKernel):
         return {"atten_mask": mask, "sparse_mode": self.CAUSAL_SPARSE_MODE}
 
     def forward(self, q, k, v, causal, scale):
-        outputs = torch_npu_ops().npu_fusion_attention(
+        outputs = import_torch_npu().npu_fusion_attention(
             q, k, v, q.shape[1], "BNSD", scale=scale, keep_prob=1.0, **self._mask(causal, q.device)
         )
         out, softmax_max, softmax_sum = outputs[:3]
@@ -141,7 +141,7 @@ class NpuFusionKernel(BlockKernel):
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         stat = lse.unsqueeze(-1).expand(*lse.shape, self.STAT_WIDTH).contiguous()
-        grads = torch_npu_ops().npu_fusion_attention_grad(
+        grads = import_torch_npu().npu_fusion_attention_grad(
             q,
             k,
             v,
@@ -377,31 +377,23 @@ def _by_step(pieces: torch.Tensor, steps: int) -> list[list[tuple]]:
 
 
 class _Exchange:
-    """Batched isend/irecv on the ring: send `tensors` to the next rank, receive as many from the previous one."""
+    """Batched isend/irecv on the ring: `send` goes to the next rank, tensors like `receive_like` come from the
+    previous one. The sent tensors are held until `wait`, so they stay alive while in flight."""
 
-    def __init__(self, group: dist.ProcessGroup, tensors: list[torch.Tensor], tag: int, send: bool = True) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, send: list[torch.Tensor], receive_like: list[torch.Tensor], tag: int
+    ) -> None:
         size, rank = group.size(), group.rank()
-        self.received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=(rank - 1) % size, tag=tag) for t in self.received]
-        if send:
-            ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % size, tag=tag) for t in tensors] + ops
+        self.sent = send
+        self.received = [torch.empty_like(t) for t in receive_like]
+        ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % size, tag=tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(rank - 1) % size, tag=tag) for t in self.received]
         self.requests = dist.batch_isend_irecv(ops)
 
     def wait(self) -> list[torch.Tensor]:
         for request in self.requests:
             request.wait()
         return self.received
-
-
-def _send(group: dist.ProcessGroup, tensors: list[torch.Tensor], tag: int) -> list:
-    size, rank = group.size(), group.rank()
-    return dist.batch_isend_irecv(
-        [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % size, tag=tag) for t in tensors]
-    )
-
-
-def _recv(group: dist.ProcessGroup, like: list[torch.Tensor], tag: int) -> _Exchange:
-    return _Exchange(group, like, tag, send=False)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
@@ -418,7 +410,7 @@ def ring_forward(q, k, v, pieces, group, kernel: BlockKernel, scale: float) -> t
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     key, value = k, v
     for step in range(size):
-        incoming = _Exchange(group, [key, value], KV_TAG) if step + 1 < size else None
+        incoming = _Exchange(group, [key, value], [key, value], KV_TAG) if step + 1 < size else None
         for rows, q_rows, k_rows, causal in work[step]:
             part, part_lse = kernel.forward(
                 q[rows, :, q_rows], key[rows, :, k_rows], value[rows, :, k_rows], causal, scale
@@ -435,11 +427,11 @@ def ring_backward(dout, q, k, v, out, lse, pieces, group, kernel: BlockKernel, s
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     key, value = k, v
     grads_like = [torch.empty(k.shape, dtype=torch.float32, device=k.device)] * 2
-    sends: list = []  # the previous step's gradient sends (and the tensors they read)
+    sending = None  # the previous step's gradients, in flight to the next rank
     for step in range(size):
         # posted in the order the previous rank sends: its last step's gradients, then the next key/value block
-        arriving = _recv(group, grads_like, GRAD_TAG) if step > 0 else None
-        incoming = _Exchange(group, [key, value], KV_TAG) if step + 1 < size else None
+        arriving = _Exchange(group, [], grads_like, GRAD_TAG) if step > 0 else None
+        incoming = _Exchange(group, [key, value], [key, value], KV_TAG) if step + 1 < size else None
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros_like(dk)
         for rows, q_rows, k_rows, causal in work[step]:
@@ -460,14 +452,13 @@ def ring_backward(dout, q, k, v, out, lse, pieces, group, kernel: BlockKernel, s
             dk_in, dv_in = arriving.wait()
             dk += dk_in
             dv += dv_in
-        for request in sends[1:]:
-            request.wait()
-        sends = [(dk, dv), *_send(group, [dk, dv], GRAD_TAG)]
+        if sending is not None:
+            sending.wait()
+        sending = _Exchange(group, [dk, dv], [], GRAD_TAG)
         if incoming is not None:
             key, value = incoming.wait()
-    dk, dv = _recv(group, grads_like, GRAD_TAG).wait()
-    for request in sends[1:]:
-        request.wait()
+    dk, dv = _Exchange(group, [], grads_like, GRAD_TAG).wait()
+    sending.wait()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

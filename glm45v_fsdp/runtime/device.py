@@ -123,13 +123,9 @@ class DeviceLayer:
             tensor.record_stream(stream)
 
 
-def _import_torch_npu() -> Any:
+def import_torch_npu() -> Any:
+    """torch_npu itself (its `npu` namespace and fused ops such as `npu_fusion_attention`), imported on first use."""
     return importlib.import_module("torch_npu")
-
-
-def torch_npu_ops() -> Any:
-    """torch_npu itself, for its fused ops (`npu_fusion_attention`, ...), imported on first use."""
-    return _import_torch_npu()
 
 
 def _fused_optimizer_device_types() -> list[str]:
@@ -198,7 +194,7 @@ def select_device(requested: str = "auto", npu_module_loader: Callable[[], Any] 
             "Set training.device to one of them."
         )
     if requested in ("auto", "npu"):
-        accel = _load_npu(npu_module_loader or _import_torch_npu, requested)
+        accel = _load_npu(npu_module_loader or import_torch_npu, requested)
         if accel is not None:
             return DeviceLayer("npu", _BACKENDS["npu"], accel)
     if requested in ("auto", "cuda"):

@@ -20,30 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_memory import _free_port, execute
+from glm45v_fsdp.tools.bench_memory import execute, torchrun_command
 
 BACKENDS = ("deepspeed", "ds_compat")
 PARITY_LIMIT = {"fp32": 1e-5, "bf16": 1e-2}
 
 
 def worker_command(args: argparse.Namespace, backend: str, zero: int, dtype: str, out: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={args.ranks}",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
-        "-m",
-        "glm45v_fsdp.tools.bench_deepspeed_worker",
-        f"--backend={backend}",
-        f"--zero={zero}",
-        f"--dtype={dtype}",
-        f"--steps={args.steps}",
-        f"--micro={args.micro}",
-        f"--out={out}",
-        *(["--profile"] if args.profile else []),
-    ]
+    arguments = [f"--backend={backend}", f"--zero={zero}", f"--dtype={dtype}", f"--steps={args.steps}"]
+    arguments += [f"--micro={args.micro}", f"--out={out}", *(["--profile"] if args.profile else [])]
+    return torchrun_command(args.ranks, "glm45v_fsdp.tools.bench_deepspeed_worker", arguments)
 
 
 def row(zero: int, dtype: str, runs: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, Any]:

@@ -20,25 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_memory import (
-    HYBRID4,
-    LAYERS_SHAPE,
-    RECOMPUTE,
-    RING2,
-    STATIC,
-    ULYSSES2,
-    RunSpec,
-    execute,
-    run_overrides,
-    train_command,
-)
+from glm45v_fsdp.tools.bench_memory import RUNS, execute, run_overrides, train_command
 
 GIB = 2**30
-LAYOUTS: dict[str, RunSpec] = {
-    "cp1": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE)),
-    "ulysses2": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, *ULYSSES2), cp=2),
-    "ring2": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, *RING2), cp=2),
-    "hybrid4": RunSpec(LAYERS_SHAPE, (STATIC, RECOMPUTE, *HYBRID4), cp=4),
+# bench memory's CP rows: the Recompute shape with static chunked loss and recompute, CP n at the same global batch
+LAYOUTS = {
+    "cp1": RUNS["recompute"],
+    "ulysses2": RUNS["recompute_ulysses_cp2"],
+    "ring2": RUNS["recompute_ring_cp2"],
+    "hybrid4": RUNS["recompute_hybrid_cp4"],
 }
 
 

@@ -236,9 +236,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def train_command(ranks: int, overrides: list[str]) -> list[str]:
-    if ranks == 1:
-        return [sys.executable, "-m", "glm45v_fsdp.train", *overrides]
+def torchrun_command(ranks: int, module: str, arguments: list[str]) -> list[str]:
+    """`python -m torch.distributed.run` on `ranks` local processes (free rendezvous port) running `-m module`."""
     return [
         sys.executable,
         "-m",
@@ -247,9 +246,15 @@ def train_command(ranks: int, overrides: list[str]) -> list[str]:
         "--rdzv_backend=c10d",
         f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
         "-m",
-        "glm45v_fsdp.train",
-        *overrides,
+        module,
+        *arguments,
     ]
+
+
+def train_command(ranks: int, overrides: list[str]) -> list[str]:
+    if ranks == 1:
+        return [sys.executable, "-m", "glm45v_fsdp.train", *overrides]
+    return torchrun_command(ranks, "glm45v_fsdp.train", overrides)
 
 
 def _child_env(threads: int | None) -> dict[str, str]:
