@@ -5,10 +5,9 @@
     batch is reduce-scattered, so gradients stay sharded);
   - post-backward hooks (registered by plans that must touch the gradients before they are used, e.g. expert
     parallelism's replica reduction), run once per step;
-  - the global gradient norm, per mesh: parameters sharded on different meshes (dense and expert) cannot share one
-    foreach norm, so each mesh's norm is reduced over its own mesh and the squares are summed; one mesh gives the
-    figure a single foreach norm gives;
-  - unless the loss or the norm is non-finite: unscale (fp16), clip to `clip` (0: off), optimizer step, schedule;
+  - the global gradient norm, unscale (fp16), clipping to `clip` (0: off) and the optimizer step, on the local
+    shards of FSDP2's DTensors (glm45v_fsdp/parallel/local_shards.py: the same figures without DTensor's per-op
+    dispatch), unless the loss or the norm is non-finite; then the schedule;
   - a non-finite step is skipped and handed to `on_skip` (the door's policy: count, warn, or stop);
   - the fp16 loss scaler's update, and zeroing the gradients.
 """
@@ -23,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from glm45v_fsdp.loss_scale import LossScaler
+from glm45v_fsdp.parallel.local_shards import grad_norm, optimizer_step, scale_grads_
 
 
 @dataclass(frozen=True)
@@ -36,29 +35,6 @@ class StepOutcome:
 
 
 SkipHandler = Callable[[float | None, StepOutcome], None]
-
-
-def _by_mesh(parameters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """Parameters with a gradient, grouped by the mesh their gradient lives on (plain tensors form one group)."""
-    groups: dict[Any, list[nn.Parameter]] = {}
-    for param in parameters:
-        if param.grad is not None:
-            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
-            groups.setdefault(mesh, []).append(param)
-    return list(groups.values())
-
-
-def _mesh_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type=2.0, foreach=True)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-def global_grad_norm(parameters: list[nn.Parameter]) -> float:
-    """L2 norm of all gradients, every mesh's part reduced over its own mesh."""
-    norms = [_mesh_norm(group) for group in _by_mesh(parameters)]
-    if len(norms) == 1:
-        return float(norms[0])
-    return math.sqrt(sum(float(norm) ** 2 for norm in norms))
 
 
 class OptimizerStep:
@@ -99,18 +75,16 @@ class OptimizerStep:
         for hook in self.post_backward_hooks:
             hook()
         loss_scale = self.loss_scale
-        grad_norm = global_grad_norm(self.parameters) / loss_scale
-        stepped = (loss is None or math.isfinite(loss)) and math.isfinite(grad_norm)
-        outcome = StepOutcome(grad_norm, stepped, loss_scale)
+        norm = grad_norm(self.parameters) / loss_scale
+        stepped = (loss is None or math.isfinite(loss)) and math.isfinite(norm)
+        outcome = StepOutcome(norm, stepped, loss_scale)
         if stepped:
-            groups = _by_mesh(self.parameters)
             if loss_scale != 1.0:
-                torch._foreach_mul_([p.grad for group in groups for p in group], 1.0 / loss_scale)
-            if self.clip > 0:
-                for group in groups:
-                    norm = torch.tensor(grad_norm, device=group[0].device)
-                    torch.nn.utils.clip_grads_with_norm_(group, self.clip, norm, foreach=True)
-            self.optimizer.step()
+                scale_grads_(self.parameters, 1.0 / loss_scale)
+            clip_coefficient = self.clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+            if self.clip > 0 and clip_coefficient < 1.0:
+                scale_grads_(self.parameters, clip_coefficient)
+            optimizer_step(self.optimizer)
             if self.scheduler is not None:
                 self.scheduler.step(**(scheduler_kwargs or {}))
         elif self.on_skip is not None:

@@ -253,30 +253,57 @@ def test_longest_bench_doubles_until_the_budget_and_judges_the_ratio(tmp_path):
 
 
 def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, monkeypatch):
-    """Faked runs (no processes): the order alternates per round, the ratio is DeepSpeed ms / ds_compat ms per round,
-    ZeRO-3 is judged against 1.6x and the others against 1.0x, and the loss parity is reported."""
+    """Faked runs (no processes): the order rotates per round, each door's ratio is DeepSpeed ms / door ms per round,
+    ZeRO-3 is judged against 1.6x and the others against 1.0x and 0.8 of the bare loop's rate, the trainer door gets
+    the worker's initial weights and ds_config, and the loss parity is reported per door."""
     from glm45v_fsdp.tools import bench, bench_deepspeed
 
-    order = []
-    speed = {"deepspeed": {1: 50.0, 3: 120.0}, "ds_compat": {1: 40.0, 3: 80.0}}
+    order, trainer_commands = [], []
+    speed = {"deepspeed": {1: 50.0, 3: 120.0}, "ds_compat": {1: 40.0, 3: 80.0}, "trainer": {1: 50.0, 3: 70.0}}
+
+    def argument(command, name):
+        return next(arg.split("=", 1)[1] for arg in command if arg.startswith(f"--{name}="))
 
     def fake_execute(name, command, output_dir, timeout, threads=None, bench="", records=True):
-        backend = next(arg.split("=")[1] for arg in command if arg.startswith("--backend="))
-        zero = int(next(arg.split("=")[1] for arg in command if arg.startswith("--zero=")))
+        losses = [2.0, 1.9, 1.8 * (1 + 1.5e-5)]
+        if "glm45v_fsdp.train" in command:
+            config = Path(command[command.index("--deepspeed") + 1])
+            assert json.loads(config.read_text())["saved_by"] == "fake"
+            zero = int(config.parent.name[len("zero")])
+            if "training.track_memory=true" not in command:
+                order.append((zero, "trainer"))
+                trainer_commands.append(command)
+            ms = [999.0] + [speed["trainer"][zero]] * 5
+            return [{"ms_per_iter": m, "loss": loss, "mem_peak_max_gib": 0.5} for m, loss in zip(ms, losses * 2)], 1, 1
+        if any(arg.startswith("--save-initial=") for arg in command):
+            Path(argument(command, "save-initial"), "ds_config.json").write_text('{"saved_by": "fake"}')
+            return [], 1.0, 1.0
+        backend, zero = argument(command, "backend"), int(argument(command, "zero"))
         order.append((zero, backend))
-        out = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--out="))
-        losses = [2.0, 1.9, 1.8] if backend == "deepspeed" else [2.0, 1.9, 1.8 * (1 + 1.5e-5)]
-        result = {"ms": [999.0] + [speed[backend][zero]] * 5, "losses": losses, "peak_bytes_max": 2.0**20}
-        Path(out).write_text(json.dumps(result))
+        ms = 38.0 if backend == "bare" else speed[backend][zero]
+        losses = [2.0, 1.9, 1.8] if backend == "deepspeed" else losses
+        result = {"ms": [999.0] + [ms] * 5, "losses": losses, "peak_bytes_max": 2.0**20}
+        Path(argument(command, "out")).write_text(json.dumps(result))
         return [], 1.0, 1.0
 
     monkeypatch.setattr(bench_deepspeed, "execute", fake_execute)
     argv = ["deepspeed", "--zero", "1,3", "--steps", "6", "--warmup", "1", "--rounds", "2", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
-    assert order[:2] == [(1, "deepspeed"), (1, "ds_compat")] and order[4:6] == [(1, "ds_compat"), (1, "deepspeed")]
+    assert order[:4] == [(0, "bare"), (1, "deepspeed"), (1, "ds_compat"), (1, "trainer")]
+    assert order[7:11] == [(0, "bare"), (1, "ds_compat"), (1, "trainer"), (1, "deepspeed")]
+    assert "data.shuffle=false" in trainer_commands[0] and "training.lr_scheduler=constant" in trainer_commands[0]
     rows = {r["zero"]: r for r in json.loads((tmp_path / "deepspeed.json").read_text())["rows"]}
-    assert rows[1]["throughput_ratio"] == pytest.approx(1.25) and rows[1]["ratio_per_round"] == [1.25, 1.25]
-    assert rows[3]["throughput_ratio"] == pytest.approx(1.5) and not rows[3]["pass"]  # below the 1.6x goal
-    assert rows[1]["loss_mean_rel_err"] == pytest.approx(5e-6, rel=1e-3) and rows[1]["pass"]
-    assert "| 3 | fp32 | 120.0 | 80.0 | 1.50× (1.50, 1.50) |" in (tmp_path / "deepspeed.md").read_text()
+    assert rows[1]["throughput_ratio"] == pytest.approx({"ds_compat": 1.25, "trainer": 1.0})
+    assert rows[1]["ratio_per_round"]["ds_compat"] == [1.25, 1.25]
+    assert rows[1]["bare_rate_ratio"] == pytest.approx({"ds_compat": 0.95, "trainer": 0.76})
+    assert rows[1]["pass"] == {"ds_compat": True, "trainer": False}  # the trainer is below 0.8 of the bare rate
+    assert rows[3]["throughput_ratio"]["ds_compat"] == pytest.approx(1.5)
+    assert rows[3]["pass"] == {"ds_compat": False, "trainer": True}  # ZeRO-3: 1.5x < 1.6x, 1.71x; no bare goal
+    assert rows[1]["loss_mean_rel_err"]["trainer"] == pytest.approx(5e-6, rel=1e-3)
+    assert rows[1]["peak_mib"]["trainer"] == pytest.approx(512.0)
+    assert (
+        "| 3 | fp32 | 120.0 · 80.0 · 70.0 (38.0) | 1.50× (1.50, 1.50) | 1.71× (1.71, 1.71) |"
+        in (tmp_path / "deepspeed.md").read_text()
+    )
+    assert (tmp_path / "deepspeed.png").stat().st_size > 0
     assert bench.main(["deepspeed", "--dtype", "fp8", "--out", str(tmp_path)]) == 2

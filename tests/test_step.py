@@ -13,8 +13,9 @@ from conftest import free_port
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
+from glm45v_fsdp.parallel.local_shards import grad_norm
 from glm45v_fsdp.plans import PLANS
-from glm45v_fsdp.step import OptimizerStep, global_grad_norm
+from glm45v_fsdp.step import OptimizerStep
 from glm45v_fsdp.tools.preflight import main as preflight_main
 
 
@@ -37,8 +38,8 @@ def test_grad_norm_is_combined_over_meshes(one_rank_group):
         param.grad = distribute_tensor(value, mesh, [Replicate()]) if mesh is not None else value.clone()
         params.append(param)
     expected = math.sqrt(sum(float(v.square().sum()) for v in values))
-    assert global_grad_norm(params) == pytest.approx(expected, rel=1e-6)  # fp32 norms
-    assert global_grad_norm(params[:1]) == pytest.approx(math.sqrt(3.0), rel=1e-6)
+    assert grad_norm(params) == pytest.approx(expected, rel=1e-6)  # fp32 norms
+    assert grad_norm(params[:1]) == pytest.approx(math.sqrt(3.0), rel=1e-6)
 
 
 def test_step_clips_skips_and_runs_hooks_in_order():

@@ -69,9 +69,14 @@ def apply_fsdp(
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan.param_dtype], reduce_dtype=DTYPES[plan.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if plan.cpu_offload else OffloadPolicy()
     if plan.unit_mib > 0:
-        merged = sum(len(group) for group in groups)
+        planned = len({name for match in matches for name in match.names} - set(expert_units))
+        in_units = sum(len(group) for group in groups)
         get_logger().info(
-            "FSDP units: %d planned module(s) in %d unit(s) (unit_mib %g)", merged, len(groups), plan.unit_mib
+            "FSDP units: %d planned module(s) in %d unit(s) (unit_mib %g), %d below the unit size left to the root",
+            in_units,
+            len(groups),
+            plan.unit_mib,
+            planned - in_units,
         )
     units = [([name], expert_mesh, lambda param: Shard(1)) for name in expert_units]
     units += [(group, mesh, None) for group in groups]
@@ -96,9 +101,11 @@ def apply_fsdp(
 
 def unit_groups(model: nn.Module, matches: list[PlanMatch], alone: set[str], unit_mib: float) -> list[list[str]]:
     """The FSDP2 units of a plan: each pattern's matched modules in model order, consecutive ones merged until a
-    unit holds at least `unit_mib` MiB of parameters (0: every module alone). Modules in `alone` (required units,
-    expert stacks) and modules nested in one another are never merged; a module matched by several patterns is
-    taken once, by the first."""
+    unit holds at least `unit_mib` MiB of parameters (0: every module alone). A run of modules that cannot fill a
+    unit (a pattern's remainder, or all of a small model) is no unit: it stays with the enclosing unit (the root at
+    the latest, gathered once per step), so every collective moves at least `unit_mib` or all that is left. Modules in `alone`
+    (required units, expert stacks) are units of their own whatever their size; modules nested in one another are
+    never merged; a module matched by several patterns is taken once, by the first."""
 
     def mib(name: str) -> float:
         return sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters()) / 2**20
@@ -124,7 +131,7 @@ def unit_groups(model: nn.Module, matches: list[PlanMatch], alone: set[str], uni
                 current = []
         if current:
             groups.append(current)
-    return groups
+    return [group for group in groups if group[0] in alone or sum(mib(name) for name in group) >= unit_mib]
 
 
 def is_sharded(model: nn.Module) -> bool:

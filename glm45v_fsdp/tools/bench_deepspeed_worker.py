@@ -23,6 +23,9 @@ import time
 
 import torch
 
+# The workload's shape (the worker's defaults; the trainer door runs with the same).
+WORKLOAD = {"text_layers": 2, "text_tokens": 256, "image_size": 112}
+
 
 def ds_config(args: argparse.Namespace) -> dict:
     config = {
@@ -42,28 +45,38 @@ def ds_config(args: argparse.Namespace) -> dict:
     return config
 
 
-def build_model_and_batches(args: argparse.Namespace, rank: int, world: int):
+def workload_overrides(args: argparse.Namespace, world: int) -> list[str]:
+    """Our config keys for the model and the data of this workload (the trainer door runs with the same ones)."""
+    return [
+        f"model.config_overrides.text_config.num_hidden_layers={args.text_layers}",
+        f"data.synthetic_text_tokens={args.text_tokens}",
+        f"data.synthetic_image_size={args.image_size}",
+        "data.synthetic_images_per_sample=1",
+        f"data.synthetic_samples={(args.steps + 1) * args.micro * world}",
+    ]
+
+
+def build_model(args: argparse.Namespace, world: int):
+    """transformers' tiny GLM-4.5V, seeded: the same weights on every rank and backend."""
     from transformers import Glm4vMoeForConditionalGeneration
 
-    from glm45v_fsdp.builders import build_training_data
     from glm45v_fsdp.config import load_config
-    from glm45v_fsdp.data.collate import BATCH_METADATA_KEYS, collate
     from glm45v_fsdp.model.builder import load_hf_config
 
-    config = load_config(
-        None,
-        [
-            f"model.config_overrides.text_config.num_hidden_layers={args.text_layers}",
-            f"data.synthetic_text_tokens={args.text_tokens}",
-            f"data.synthetic_image_size={args.image_size}",
-            "data.synthetic_images_per_sample=1",
-            f"data.synthetic_samples={(args.steps + 1) * args.micro * world}",
-        ],
-    )
+    config = load_config(None, workload_overrides(args, world))
     hf_config = load_hf_config(config.model)
     hf_config._attn_implementation = "sdpa"
     torch.manual_seed(1234)
-    model = Glm4vMoeForConditionalGeneration(hf_config)
+    return config, hf_config, Glm4vMoeForConditionalGeneration(hf_config)
+
+
+def build_model_and_batches(args: argparse.Namespace, rank: int, world: int):
+    """The model and this rank's batches: step s takes samples [(s * world + rank) * micro, + micro), in order, as
+    the trainer's sampler does without shuffling (rank-major chunks of the global batch)."""
+    from glm45v_fsdp.builders import build_training_data
+    from glm45v_fsdp.data.collate import BATCH_METADATA_KEYS, collate
+
+    config, hf_config, model = build_model(args, world)
     data = build_training_data(config, hf_config)
     batches = []
     for step in range(args.steps + 1):
@@ -78,36 +91,76 @@ def live_tensors() -> list[torch.Tensor]:
     return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not obj.is_meta]
 
 
+def bare_step(args: argparse.Namespace, model: torch.nn.Module):
+    """The step without any backend: one process, plain foreach AdamW, clipping 1.0 (bf16: autocast)."""
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=True
+    )
+    precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+
+    def step(batch: dict) -> torch.Tensor:
+        with precision:
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach().float()
+
+    return step
+
+
+def save_initial(args: argparse.Namespace, directory: str) -> None:
+    """The initial weights as an HF checkpoint and the ds_config, for the trainer door (`--deepspeed`)."""
+    _, _, model = build_model(args, args.world_size)
+    model.save_pretrained(directory)
+    with open(os.path.join(directory, "ds_config.json"), "w") as handle:
+        json.dump(ds_config(args), handle, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", choices=("deepspeed", "ds_compat"), required=True)
+    parser.add_argument("--backend", choices=("deepspeed", "ds_compat", "bare"), required=True)
     parser.add_argument("--zero", type=int, default=2)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--micro", type=int, default=2)
-    parser.add_argument("--text-layers", type=int, default=2)
-    parser.add_argument("--text-tokens", type=int, default=256)
-    parser.add_argument("--image-size", type=int, default=112, help="112 px: one image of 8 x 8 = 64 patches")
+    parser.add_argument("--text-layers", type=int, default=WORKLOAD["text_layers"])
+    parser.add_argument("--text-tokens", type=int, default=WORKLOAD["text_tokens"])
+    parser.add_argument("--image-size", type=int, default=WORKLOAD["image_size"], help="112 px: 8 x 8 = 64 patches")
+    parser.add_argument("--world-size", type=int, default=2, help="bare / --save-initial: the ranks of the others")
+    parser.add_argument("--save-initial", metavar="DIR", help="write the initial weights and ds_config to DIR")
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
-    if args.backend == "deepspeed":
-        import deepspeed
+    if args.save_initial:
+        save_initial(args, args.save_initial)
+        return
+    if args.backend == "bare":
+        rank, world, comm = 0, 1, None
+        model, batches = build_model_and_batches(args, 0, args.world_size)
+        step = bare_step(args, model)
+        device = torch.device("cpu")
     else:
-        import ds_compat as deepspeed
+        if args.backend == "deepspeed":
+            import deepspeed
+        else:
+            import ds_compat as deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
-    model, batches = build_model_and_batches(args, rank, world)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
+        deepspeed.init_distributed(dist_backend="gloo")
+        comm = deepspeed.comm
+        rank, world = comm.get_rank(), comm.get_world_size()
+        model, batches = build_model_and_batches(args, rank, world)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
+        device = engine.device
 
-    def step(batch: dict) -> float:
-        inputs = {key: value.to(engine.device) for key, value in batch.items()}
-        loss = engine(**inputs).loss
-        engine.backward(loss)
-        engine.step()
-        return loss.detach().float()
+        def step(batch: dict) -> torch.Tensor:
+            inputs = {key: value.to(engine.device) for key, value in batch.items()}
+            loss = engine(**inputs).loss
+            engine.backward(loss)
+            engine.step()
+            return loss.detach().float()
 
     ms, losses, profile = [], [], None
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
@@ -115,9 +168,9 @@ def main() -> None:
         if profiler is not None and index == 5:
             profiler.start()
         started = time.perf_counter()
-        loss = step(batch)
-        mean = loss.clone()
-        deepspeed.comm.all_reduce(mean)
+        mean = step(batch).clone()
+        if comm is not None:
+            comm.all_reduce(mean)
         ms.append((time.perf_counter() - started) * 1000.0)
         losses.append(mean.item() / world)
         if profiler is not None and index == 9:
@@ -127,16 +180,18 @@ def main() -> None:
     from glm45v_fsdp.runtime.device import DeviceLayer
     from glm45v_fsdp.runtime.memory import MemoryMeter
 
-    meter = MemoryMeter(DeviceLayer(engine.device.type, "gloo"), enabled=True)
+    meter = MemoryMeter(DeviceLayer(device.type, "gloo"), enabled=True)
     with meter.track(live_tensors()):
         step(batches[args.steps])
     peak = torch.tensor(float(meter.peak_bytes()))
-    deepspeed.comm.all_reduce(peak, op=deepspeed.comm.ReduceOp.MAX)
+    if comm is not None:
+        comm.all_reduce(peak, op=comm.ReduceOp.MAX)
     if rank == 0:
         result = {"ms": ms, "losses": losses, "peak_bytes_max": peak.item(), "profile": profile}
         with open(args.out, "w") as handle:
             json.dump(result, handle)
-    deepspeed.comm.barrier()
+    if comm is not None:
+        comm.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # gloo's process-group teardown aborts now and then after a finished run; nothing is left to do
