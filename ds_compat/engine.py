@@ -273,7 +273,7 @@ class DeepSpeedEngine(nn.Module):
         else:
             groups = _remap_groups(_param_groups(model_parameters), old_names, new_params)
         if client_optimizer is None:
-            optimizer = self.translation.optimizer.build(groups)
+            optimizer = self.translation.optimizer.build(groups, fused=self.device_layer.has_fused_adamw())
             self.log.info("ds_compat: optimizer from the ds_config: %s", self.translation.optimizer.describe())
         elif isinstance(client_optimizer, torch.optim.Optimizer):
             optimizer = self._rebuild_optimizer(client_optimizer, old_names, new_params)

@@ -22,7 +22,7 @@ from ds_compat import schedules
 from ds_compat._common import Report, as_bool, as_float, as_int, as_section, key_error, unknown_key_error
 from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.optim import OptimizerRecipe, recipe_from_training
+from glm45v_fsdp.optim import OptimizerRecipe, make_optimizer, recipe_from_training
 
 ONE_BIT = ("onebitadam", "onebitlamb", "zerooneadam")
 KERNEL_ONLY = ("lamb", "lion", "muadam", "muadamw", "musgd", "muon")
@@ -69,8 +69,10 @@ class OptimizerSpec:
     def lr(self) -> float:
         return self.kwargs["lr"]
 
-    def build(self, params: Iterable) -> torch.optim.Optimizer:
-        return getattr(torch.optim, self.type)(params, **self.kwargs)
+    def build(self, params: Iterable, fused: bool = False) -> torch.optim.Optimizer:
+        """The optimizer over `params` (tensors or param groups), built as the trainer builds its own
+        (glm45v_fsdp.optim.make_optimizer: fused where asked and the class has it, else foreach)."""
+        return make_optimizer(self.type, list(params), self.kwargs, fused)
 
     def describe(self) -> str:
         return f"torch.optim.{self.type}({', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"

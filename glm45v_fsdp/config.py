@@ -75,8 +75,12 @@ class FsdpPlanConfig:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     # Consecutive modules of one pattern are merged into one FSDP2 unit until it holds at least this many MiB of
-    # parameters (fewer, larger collectives); 0: one unit per matched module.
-    unit_mib: float = 0.0
+    # parameters (fewer, larger collectives); modules that cannot fill a unit stay with the enclosing unit (the root
+    # at the latest); 0: one unit per matched module; null: the device's default (parallel/fsdp.py UNIT_MIB_DEFAULT).
+    unit_mib: float | None = None
+    # Explicit FSDP2 prefetch: each unit of a pattern gathers the next N units of that pattern at its forward and
+    # the previous N at its backward; 0: FSDP2's implicit prefetch (one unit ahead in backward only).
+    prefetch: int = 0
 
 
 @dataclass
@@ -653,11 +657,12 @@ def validate(config: Config) -> None:
             )
     _require(bool(p.fsdp_plan.apply_modules), "parallel.fsdp_plan.apply_modules", [], "a non-empty list of patterns")
     _require(
-        p.fsdp_plan.unit_mib >= 0,
+        p.fsdp_plan.unit_mib is None or p.fsdp_plan.unit_mib >= 0,
         "parallel.fsdp_plan.unit_mib",
         p.fsdp_plan.unit_mib,
-        ">= 0 (MiB; 0: a unit per module)",
+        ">= 0 (MiB; 0: a unit per module) or null (the device's default)",
     )
+    _require(p.fsdp_plan.prefetch >= 0, "parallel.fsdp_plan.prefetch", p.fsdp_plan.prefetch, "an integer >= 0")
     chunk = config.features.chunk_loss
     _require(chunk.chunk_size >= 1, "features.chunk_loss.chunk_size", chunk.chunk_size, "an integer >= 1")
     if chunk.total_chunk_size is not None:

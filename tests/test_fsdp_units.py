@@ -6,7 +6,7 @@ from __future__ import annotations
 from conftest import PARITY, mean_relative_error, read_metrics, train
 from torch import nn
 
-from glm45v_fsdp.parallel.fsdp import unit_groups
+from glm45v_fsdp.parallel.fsdp import set_prefetch, unit_groups
 from glm45v_fsdp.parallel.plan import match_modules
 
 
@@ -47,23 +47,56 @@ def test_consecutive_modules_merge_until_the_unit_size():
     ]
 
 
+class RecordingUnit(nn.Linear):
+    """Stands in for an FSDP2 unit: records the prefetch lists it is given (by module name)."""
+
+    def set_modules_to_forward_prefetch(self, modules):
+        self.forward_prefetch = [module.name for module in modules]
+
+    def set_modules_to_backward_prefetch(self, modules):
+        self.backward_prefetch = [module.name for module in modules]
+
+
+def test_prefetch_follows_each_patterns_units():
+    root = nn.Module()
+    root.layers = nn.ModuleList(RecordingUnit(1, 1) for _ in range(4))
+    root.head = RecordingUnit(1, 1)
+    for name, module in root.named_modules():
+        module.name = name
+    matches = match_modules(root, ["layers.{*}", "head"], "parallel.fsdp_plan.apply_modules")
+    units = [["layers.0", "layers.1"], ["layers.2"], ["layers.3"], ["head"]]  # layers.1 merged into layers.0's unit
+    set_prefetch(root, matches, units, depth=2)
+    first, _, third, last = root.layers
+    assert first.forward_prefetch == ["layers.2", "layers.3"] and not hasattr(first, "backward_prefetch")
+    assert third.forward_prefetch == ["layers.3"] and third.backward_prefetch == ["layers.0"]
+    assert last.backward_prefetch == ["layers.2", "layers.0"] and not hasattr(last, "forward_prefetch")
+    assert not hasattr(root.head, "forward_prefetch") and not hasattr(root.head, "backward_prefetch")  # alone
+
+
 def test_merged_units_train_like_one_unit_per_module(tmp_path):
-    """Both ZeRO styles (reshard after forward or not) with every layer pattern merged into one unit."""
+    """Both ZeRO styles (reshard after forward or not) with every layer pattern merged into one unit, the cpu
+    default unit size, and explicit prefetch over one unit per module."""
     runs = {}
+    per_module = ["parallel.fsdp_plan.unit_mib=0"]
     for name, extra in {
-        "per_module": [],
+        "per_module": per_module,
         "merged": ["parallel.fsdp_plan.unit_mib=1000"],
         "merged_keep": ["parallel.fsdp_plan.unit_mib=1000", "parallel.fsdp_plan.reshard_after_forward=false"],
+        "cpu_default": [],
+        "prefetch": [*per_module, "parallel.fsdp_plan.prefetch=2"],
     }.items():
         result = train(tmp_path / name, PARITY + extra, nproc=2)
         assert result.returncode == 0, result.stderr[-3000:]
-        if extra:  # only model.visual (run outside the root forward) is a unit; the other 8 are below 1000 MiB
+        if name.startswith("merged"):  # only model.visual (run outside the root forward) is a unit of its own
             assert (
-                "FSDP units: 1 planned module(s) in 1 unit(s) (unit_mib 1000), 8 below the unit size left to the root"
-                in result.stdout
+                "FSDP units: 1 planned module(s) in 1 unit(s) (unit_mib 1000), 8 below the unit size" in result.stdout
             )
+        if name == "cpu_default":
+            assert "FSDP units: 1 planned module(s) in 1 unit(s) (unit_mib 32, the cpu default)" in result.stdout
+        if name == "prefetch":
+            assert "FSDP prefetch: 2 unit(s) ahead in forward and backward along each pattern" in result.stdout
         runs[name] = read_metrics(tmp_path / name)
-    for name in ("merged", "merged_keep"):
+    for name in ("merged", "merged_keep", "cpu_default", "prefetch"):
         for key in ("loss", "grad_norm"):
             reference = [r[key] for r in runs["per_module"]]
             assert mean_relative_error([r[key] for r in runs[name]], reference) < 1e-6, (name, key)

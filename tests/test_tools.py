@@ -99,6 +99,22 @@ def test_preflight_context_parallel_splits_the_activations(capsys):
     assert cp4["activations"]["loss_peak"] * 4 == cp1["activations"]["loss_peak"]
 
 
+def test_preflight_counts_the_units_that_run(capsys):
+    """The estimate sees the units apply_fsdp builds: merged to the unit size (the device's default when null; auto
+    is the npu target: one unit per module), what cannot fill a unit gathered with the root; prefetch holds more."""
+    per_module = preflight_json(capsys, "--world-size", "2", "parallel.fsdp_plan.unit_mib=0")["memory"]
+    assert preflight_json(capsys, "--world-size", "2")["memory"]["transient"] == per_module["transient"]
+    assert per_module["fsdp_units"] == 10  # 9 planned modules + the root
+    merged = preflight_json(capsys, "--world-size", "2", "training.device=cpu")["memory"]
+    assert merged["fsdp_units"] == 2  # cpu default 32 MiB: model.visual (required) and the root with the rest
+    assert "FSDP units: 1 planned module(s) in 1 unit(s) at unit_mib 32 (the cpu default)" in merged["assumptions"]
+    assert merged["transient"]["params"] > 2 * per_module["transient"]["params"]  # the root holds the text model
+    prefetched = ["parallel.fsdp_plan.unit_mib=0", "parallel.fsdp_plan.prefetch=3"]
+    deeper = preflight_json(capsys, "--world-size", "2", *prefetched)["memory"]["transient"]
+    assert "running + 3 prefetched" in deeper["assumption"]
+    assert deeper["params"] > per_module["transient"]["params"]
+
+
 def test_preflight_106b_on_128_ranks(capsys):
     started = time.perf_counter()
     code, out, _ = run_preflight(capsys, "--config", CONFIG_106B, "--world-size", "128", "--device-memory-gib", "64")

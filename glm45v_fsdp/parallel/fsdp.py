@@ -24,6 +24,17 @@ from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
+# parallel.fsdp_plan.unit_mib when the config leaves it null, per device type. cpu (gloo): measured, see
+# docs/performance.md#how-the-unit-size-is-chosen. npu / cuda: one unit per planned module, as torchtitan and
+# MindSpeed's FSDP2 shard (collectives overlap compute there); not yet measured on hardware.
+UNIT_MIB_DEFAULT = {"cpu": 32.0, "cuda": 0.0, "npu": 0.0}
+
+
+def unit_mib(plan: FsdpPlanConfig, device_type: str) -> float:
+    """The unit size in MiB that runs: the plan's, or the device's default when the plan leaves it null."""
+    return plan.unit_mib if plan.unit_mib is not None else UNIT_MIB_DEFAULT.get(device_type, 0.0)
+
+
 # Glm4vMoeVisionModel / Glm4vMoeModel return the per-image embeddings as torch.split views, and GroupedExperts its
 # grouped GEMM output as a view (model/moe.py, _ContiguousGrad); FSDP2 warns about any view output because an in-place
 # op on it would skip its hook. Nothing modifies them, so those warnings are noise.
@@ -64,22 +75,25 @@ def apply_fsdp(
         )
     if mesh.size() == 1 and not plan.cpu_offload:
         return matches
-    groups = unit_groups(model, matches, set(required_units) | set(expert_units), plan.unit_mib)
-    groups = sorted((g for g in groups if g[0] not in expert_units), key=lambda g: -g[0].count("."))
+    size = unit_mib(plan, mesh.device_type)
+    alone = set(required_units) | set(expert_units)
+    groups = [g for g in unit_groups(model, matches, alone, size) if g[0] not in expert_units]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan.param_dtype], reduce_dtype=DTYPES[plan.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if plan.cpu_offload else OffloadPolicy()
-    if plan.unit_mib > 0:
+    if size > 0:
         planned = len({name for match in matches for name in match.names} - set(expert_units))
         in_units = sum(len(group) for group in groups)
         get_logger().info(
-            "FSDP units: %d planned module(s) in %d unit(s) (unit_mib %g), %d below the unit size left to the root",
+            "FSDP units: %d planned module(s) in %d unit(s) (unit_mib %g%s), %d below the unit size left to the "
+            "enclosing unit",
             in_units,
             len(groups),
-            plan.unit_mib,
+            size,
+            "" if plan.unit_mib is not None else f", the {mesh.device_type} default",
             planned - in_units,
         )
     units = [([name], expert_mesh, lambda param: Shard(1)) for name in expert_units]
-    units += [(group, mesh, None) for group in groups]
+    units += [(group, mesh, None) for group in sorted(groups, key=lambda g: -g[0].count("."))]  # innermost first
     for names, unit_mesh, placement in units:
         fully_shard(
             present[names[0]] if len(names) == 1 else [present[name] for name in names],
@@ -90,6 +104,9 @@ def apply_fsdp(
             shard_placement_fn=placement,
         )
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+    if plan.prefetch > 0:
+        set_prefetch(model, matches, groups, plan.prefetch)
+        get_logger().info("FSDP prefetch: %d unit(s) ahead in forward and backward along each pattern", plan.prefetch)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Plain SUM over the FSDP mesh (no AVG, no PREMUL_SUM, which gloo lacks): the trainer's loss scale
@@ -103,9 +120,9 @@ def unit_groups(model: nn.Module, matches: list[PlanMatch], alone: set[str], uni
     """The FSDP2 units of a plan: each pattern's matched modules in model order, consecutive ones merged until a
     unit holds at least `unit_mib` MiB of parameters (0: every module alone). A run of modules that cannot fill a
     unit (a pattern's remainder, or all of a small model) is no unit: it stays with the enclosing unit (the root at
-    the latest, gathered once per step), so every collective moves at least `unit_mib` or all that is left. Modules in `alone`
-    (required units, expert stacks) are units of their own whatever their size; modules nested in one another are
-    never merged; a module matched by several patterns is taken once, by the first."""
+    the latest, gathered once per step), so every collective moves at least `unit_mib` or all that is left.
+    Modules in `alone` (required units, expert stacks) are units of their own whatever their size; modules nested
+    in one another are never merged; a module matched by several patterns is taken once, by the first."""
 
     def mib(name: str) -> float:
         return sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters()) / 2**20
@@ -132,6 +149,21 @@ def unit_groups(model: nn.Module, matches: list[PlanMatch], alone: set[str], uni
         if current:
             groups.append(current)
     return [group for group in groups if group[0] in alone or sum(mib(name) for name in group) >= unit_mib]
+
+
+def set_prefetch(model: nn.Module, matches: list[PlanMatch], groups: list[list[str]], depth: int) -> None:
+    """Explicit FSDP2 prefetch along each pattern's units in model order: a unit's forward gathers the next `depth`
+    units of its pattern, its backward the previous `depth` (the order backward runs them)."""
+    unit_of = {group[0]: model.get_submodule(group[0]) for group in groups}
+    for match in matches:
+        units = [unit_of[name] for name in match.names if name in unit_of]
+        for index, unit in enumerate(units):
+            ahead = units[index + 1 : index + 1 + depth]
+            behind = units[max(0, index - depth) : index][::-1]
+            if ahead:
+                unit.set_modules_to_forward_prefetch(ahead)
+            if behind:
+                unit.set_modules_to_backward_prefetch(behind)
 
 
 def is_sharded(model: nn.Module) -> bool:

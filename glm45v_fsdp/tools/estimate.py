@@ -188,11 +188,13 @@ def transient_bytes(
     compute_itemsize: int,
     reduce_itemsize: int,
     reshard_after_forward: bool,
+    prefetch: int = 0,
 ) -> Transient:
     """Peak of the unsharded compute copies (param dtype) and the gradient buffers of a backward step.
 
     FSDP2: the root unit's own parameters stay gathered for the whole step; of the other units, the one running and
-    the one prefetched (taken as the two largest) are gathered, or all of them when reshard_after_forward=False. In
+    the ones prefetched (max(1, `prefetch`), taken as the largest) are gathered, or all of them when
+    reshard_after_forward=False. In
     backward the running unit's unsharded gradients (param dtype) are copied into a reduce-scatter buffer (reduce
     dtype) of the same padded size. Under expert parallelism a layer's expert stacks are a unit of their own that
     gathers only this rank's E/ep experts, counted with its layer. Without FSDP, bf16 autocast holds a bf16 copy of
@@ -207,8 +209,9 @@ def transient_bytes(
     grads.pop("", None)
     gathered = sorted(params.values(), reverse=True)
     if reshard_after_forward:
-        gathered = gathered[:2]
-        what = "root unit + the two largest units gathered (running + prefetched)"
+        ahead = max(1, prefetch)
+        gathered = gathered[: 1 + ahead]
+        what = f"root unit + the {1 + ahead} largest units gathered (running + {ahead} prefetched)"
     else:
         what = "every unit stays gathered from its forward to its backward (reshard_after_forward=false)"
     return Transient(

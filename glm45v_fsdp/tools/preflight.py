@@ -25,8 +25,8 @@ from glm45v_fsdp.config import Config, load_config
 from glm45v_fsdp.data import load_image_processor
 from glm45v_fsdp.data.processor import process_images
 from glm45v_fsdp.errors import ConfigError, UserError
-from glm45v_fsdp.model import build_meta_model, describe_model, load_hf_config
-from glm45v_fsdp.parallel.fsdp import DTYPES
+from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, build_meta_model, describe_model, load_hf_config
+from glm45v_fsdp.parallel.fsdp import DTYPES, unit_groups, unit_mib
 from glm45v_fsdp.parallel.plan import PlanMatch
 from glm45v_fsdp.plans import PLANS, PlanContext, enabled_plans
 from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims, select_device
@@ -158,17 +158,24 @@ def memory_report(
     `model` is the meta model after every plan but FSDP (freeze decides what is trainable); `matched` is what each
     plan's patterns matched (the FSDP units among them).
     """
-    fsdp_units = sorted({name for match in matched["fsdp"] for name in match.names})
     expert_units = sorted({name for match in matched.get("expert_parallel", []) for name in match.names})
     plan = config.parallel.fsdp_plan
+    # The units apply_fsdp builds: merged to the unit size, what cannot fill a unit left to the enclosing one. The
+    # default unit size is the target device's (training.device; auto: npu, the backend's target).
+    device_type = config.training.device if config.training.device != "auto" else "npu"
+    size = unit_mib(plan, device_type)
+    groups = unit_groups(model, matched["fsdp"], set(REQUIRED_FSDP_UNITS) | set(expert_units), size)
+    fsdp_units = sorted(name for group in groups for name in group)
+    leader = {name: group[0] for group in groups for name in group}
     sharded = dims.world_size > 1 or plan.cpu_offload
     shard_size = dims.fsdp_size if sharded else 1
     layout = ShardLayout(shard_size, dims.ep, dims.efsdp, sharded)
     offloaded = sharded and plan.cpu_offload
     routed = [f"{name}.experts" for match in matched.get("moe", []) for name in match.names]
     specs = param_specs(model, fsdp_units, expert_units, routed)
+    specs = [dataclasses.replace(spec, unit=leader.get(spec.unit, spec.unit)) for spec in specs]
     compute, reduce = DTYPES[plan.param_dtype].itemsize, DTYPES[plan.reduce_dtype].itemsize
-    transient = transient_bytes(specs, layout, compute, reduce, plan.reshard_after_forward)
+    transient = transient_bytes(specs, layout, compute, reduce, plan.reshard_after_forward, plan.prefetch)
     patches, image_text = image_patches(config, hf_config, images_per_sample, image_size, dims.cp)
     acts = activation_estimate(config, hf_config, dims, matched, patches)
     tokens = acts.base.tokens
@@ -197,7 +204,7 @@ def memory_report(
     return {
         "fsdp_applied": sharded,
         "shard_size": shard_size,
-        "fsdp_units": len(fsdp_units) + len(expert_units) + 1,
+        "fsdp_units": len(groups) + len(expert_units) + 1,
         "cpu_offload": offloaded,
         "per_rank": ranks,
         "min": {k: min(r[k] for r in ranks) for k in keys},
@@ -217,6 +224,8 @@ def memory_report(
             f"images: {image_text} = {patches} patches per micro batch",
             f"transient: {transient.assumption}",
             f"compute dtype {plan.param_dtype} (activations), reduce dtype {plan.reduce_dtype}",
+            f"FSDP units: {len(fsdp_units)} planned module(s) in {len(groups)} unit(s) at unit_mib {size:g}"
+            + ("" if plan.unit_mib is not None else f" (the {device_type} default)"),
         ],
         "formula": ACTIVATION_FORMULA,
     }
