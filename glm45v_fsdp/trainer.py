@@ -34,7 +34,7 @@ from glm45v_fsdp.metrics import (
     previous_run,
     summarize,
 )
-from glm45v_fsdp.model.moe import moe_blocks, moe_load_metrics
+from glm45v_fsdp.model.moe import moe_blocks, moe_load_figures, take_moe_counts
 from glm45v_fsdp.optim import OptimizerRecipe, build_optimizer, build_scheduler, recipe_from_training
 from glm45v_fsdp.parallel.expert import balance_metrics
 from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
@@ -216,16 +216,23 @@ class Trainer:
             dist.all_reduce(packed, group=self.runtime.meshes.dp.get_group())
         return packed.tolist()
 
-    def _gather_rank_figures(self, ms: float, mem_bytes: int) -> tuple[list[float], list[float]]:
-        """Every rank's step time and peak memory (one all-gather of two numbers)."""
+    def _gather_rank_figures(
+        self, figures: list[float], moe_counts: torch.Tensor | None
+    ) -> tuple[list[list[float]], torch.Tensor | None]:
+        """Every rank's per-step figures (step ms, peak memory, data ms) and the MoE routing counts summed over the
+        ranks, in one all-gather."""
         device = self.runtime.torch_device
-        mine = torch.tensor([ms, mem_bytes / GIB], dtype=torch.float64, device=device)
+        counts = moe_counts.flatten().tolist() if moe_counts is not None else []
+        mine = torch.tensor([*figures, *counts], dtype=torch.float64, device=device)
         world = self.runtime.env.world_size
-        if world == 1:
-            return [ms], [mem_bytes / GIB]
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        return [float(g[0]) for g in gathered], [float(g[1]) for g in gathered]
+        gathered = [mine]
+        if world > 1:
+            gathered = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(gathered, mine)
+        per_rank = [[float(g[index]) for g in gathered] for index in range(len(figures))]
+        if moe_counts is None:
+            return per_rank, None
+        return per_rank, torch.stack(gathered)[:, len(figures) :].sum(dim=0).view_as(moe_counts)
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[float, float, int, bool]:
         """One optimizer step over the accumulation micro batches. Returns (loss, grad norm, tokens, skipped)."""
@@ -292,15 +299,18 @@ class Trainer:
     def step_once(self, micro_batches: list[Batch], started: float | None = None) -> StepRecord:
         """Train one step on the given micro batches, time it, gather every rank's figures, record them.
 
-        `started` (a perf_counter value) lets the caller include the time it spent fetching the batches.
+        `started` (a perf_counter value) lets the caller include the time it spent fetching the batches, which is
+        also recorded alone (`data_ms`).
         """
+        data_ms = 0.0 if started is None else (time.perf_counter() - started) * 1000.0
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter() if started is None else started
         # Only the CPU tracker needs the live tensors; the list is not built on the hot path otherwise.
         with self.meter.track(self._live_state() if self.meter.kind == "tracked-tensors" else ()):
             loss, grad_norm, tokens, skipped = self.train_step(micro_batches)
             self.runtime.device.synchronize()
-        return self._record(lr, (time.perf_counter() - start) * 1000.0, loss, grad_norm, tokens, skipped)
+        ms = (time.perf_counter() - start) * 1000.0
+        return self._record(lr, ms, data_ms, loss, grad_norm, tokens, skipped)
 
     def _chunk_metrics(self) -> dict[str, list[int]]:
         """This step's chunked-loss choices on this rank (one entry per micro batch), then reset."""
@@ -317,10 +327,15 @@ class Trainer:
         """This step's activation-offload figures on this rank (bytes and tensors moved, stall time), then reset."""
         return self.offload.take() if self.offload is not None else {}
 
-    def _record(self, lr: float, ms: float, loss: float, grad_norm: float, tokens: int, skipped: bool) -> StepRecord:
+    def _record(
+        self, lr: float, ms: float, data_ms: float, loss: float, grad_norm: float, tokens: int, skipped: bool
+    ) -> StepRecord:
         self.step += 1
         self.consumed_samples += self.global_batch_size
-        ms_ranks, mem_ranks = self._gather_rank_figures(ms, self.meter.peak_bytes())
+        figures, moe_counts = self._gather_rank_figures(
+            [ms, self.meter.peak_bytes() / GIB, data_ms], take_moe_counts(self.moe_blocks)
+        )
+        ms_ranks, mem_ranks, data_ranks = figures
         ms_max = max(ms_ranks)
         record = StepRecord(
             step=self.step,
@@ -339,10 +354,12 @@ class Trainer:
             ms_per_iter_per_rank=ms_ranks,
             mem_peak_per_rank_gib=mem_ranks,
             extra={
+                "data_ms": max(data_ranks),
+                "data_ms_per_rank": data_ranks,
                 **self._chunk_metrics(),
                 **self._offload_metrics(),
                 **self._loss_scale_metrics(),
-                **moe_load_metrics(self.moe_blocks, self.runtime.torch_device),
+                **moe_load_figures(moe_counts),
                 **balance_metrics(self.moe_blocks, self.runtime.torch_device),
             },
         )

@@ -274,7 +274,11 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
                 order.append((zero, "trainer"))
                 trainer_commands.append(command)
             ms = [999.0] + [speed["trainer"][zero]] * 5
-            return [{"ms_per_iter": m, "loss": loss, "mem_peak_max_gib": 0.5} for m, loss in zip(ms, losses * 2)], 1, 1
+            records = [
+                {"ms_per_iter": m + 5, "data_ms": 5.0, "loss": x, "mem_peak_max_gib": 0.5}
+                for m, x in zip(ms, losses * 2)
+            ]
+            return records, 1, 1
         if any(arg.startswith("--save-initial=") for arg in command):
             Path(argument(command, "save-initial"), "ds_config.json").write_text('{"saved_by": "fake"}')
             return [], 1.0, 1.0
@@ -302,7 +306,7 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
     assert rows[1]["loss_mean_rel_err"]["trainer"] == pytest.approx(5e-6, rel=1e-3)
     assert rows[1]["peak_mib"]["trainer"] == pytest.approx(512.0)
     assert (
-        "| 3 | fp32 | 120.0 · 80.0 · 70.0 (38.0) | 1.50× (1.50, 1.50) | 1.71× (1.71, 1.71) |"
+        "| 3 | fp32 | 120.0 · 80.0 · 70.0 [75.0] (38.0) | 1.50× (1.50, 1.50) | 1.71× (1.71, 1.71) |"
         in (tmp_path / "deepspeed.md").read_text()
     )
     assert (tmp_path / "deepspeed.png").stat().st_size > 0

@@ -9,7 +9,7 @@ from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMoE
 
 from glm45v_fsdp.config import ModelConfig, load_config
 from glm45v_fsdp.model import build_meta_model, load_hf_config
-from glm45v_fsdp.model.moe import GroupedExperts, MoEBlock, moe_load_metrics
+from glm45v_fsdp.model.moe import GroupedExperts, MoEBlock, moe_load_figures, take_moe_counts
 from glm45v_fsdp.plans import MoEPlan, PlanContext
 from glm45v_fsdp.runtime import ParallelDims, select_device
 
@@ -104,9 +104,9 @@ def test_load_metrics_by_hand():
     blocks = [ours_like(reference_block(), "loop") for _ in range(2)]
     blocks[0].load = torch.tensor([4, 4, 4, 4, 4, 4, 4, 4])  # even: CV 0, max/mean 1
     blocks[1].load = torch.tensor([8, 0, 8, 0, 8, 0, 8, 0])  # CV 1, max/mean 2
-    metrics = moe_load_metrics(blocks, torch.device("cpu"))
+    metrics = moe_load_figures(take_moe_counts(blocks))
     assert metrics == {"moe_load_cv": pytest.approx(0.5), "moe_load_max_over_mean": pytest.approx(1.5)}
-    assert blocks[0].load is None and moe_load_metrics([], torch.device("cpu")) == {}
+    assert blocks[0].load is None and moe_load_figures(take_moe_counts([])) == {}
 
 
 def test_moe_plan_replaces_every_moe_layer_and_keeps_the_names():

@@ -30,7 +30,9 @@ def test_default_training_runs_and_learns(tmp_path, nproc):
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == list(range(1, 25))
     assert all(METRIC_KEYS <= set(r) for r in records)
-    assert all(len(r["ms_per_iter_per_rank"]) == nproc for r in records)
+    assert all(len(r["ms_per_iter_per_rank"]) == len(r["data_ms_per_rank"]) == nproc for r in records)
+    assert all(0 < r["data_ms"] < r["ms_per_iter"] and r["data_ms"] == max(r["data_ms_per_rank"]) for r in records)
+    assert all(r["moe_load_max_over_mean"] >= 1.0 for r in records)  # counts summed over the ranks
     losses = [r["loss"] for r in records]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
     assert "step 24/24 | loss" in result.stdout

@@ -19,7 +19,8 @@ fp32 the block equals transformers' bit for bit (forward and gradients). An expe
 nothing and gets an exactly zero gradient.
 
 Routing statistics: every forward (not the recomputation of a checkpointed forward in backward) adds its tokens per
-expert to `MoEBlock.load`; `moe_load_metrics` turns the step's counts of all layers into two figures.
+expert to `MoEBlock.load`; `moe_load_figures` turns the step's counts of all layers (summed over the ranks) into two
+figures.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -263,15 +263,20 @@ def moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return [module for module in model.modules() if isinstance(module, MoEBlock)]
 
 
-def moe_load_metrics(blocks: list[MoEBlock], device: torch.device) -> dict[str, float]:
-    """The step's routing balance over all ranks (one all-reduce of [layers, experts] counts when distributed):
-    `moe_load_cv` = mean over layers of the coefficient of variation of tokens per expert; `moe_load_max_over_mean`
-    = mean over layers of (busiest expert's tokens / mean tokens per expert). Resets the blocks' counts."""
+def take_moe_counts(blocks: list[MoEBlock]) -> torch.Tensor | None:
+    """This rank's tokens per expert of the step, [layers, experts] in float64 (None without MoE layers); resets the
+    blocks' counts. Sum them over the ranks before `moe_load_figures`."""
     if not blocks:
+        return None
+    return torch.stack([block.take_load() for block in blocks]).double()
+
+
+def moe_load_figures(counts: torch.Tensor | None) -> dict[str, float]:
+    """The step's routing balance from the [layers, experts] counts of all ranks: `moe_load_cv` = mean over layers of
+    the coefficient of variation of tokens per expert; `moe_load_max_over_mean` = mean over layers of (busiest
+    expert's tokens / mean tokens per expert)."""
+    if counts is None:
         return {}
-    counts = torch.stack([block.take_load().to(device) for block in blocks]).double()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(counts)
     mean = counts.mean(dim=1).clamp(min=1e-12)
     cv = counts.std(dim=1, correction=0) / mean
     return {
