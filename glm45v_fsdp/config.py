@@ -59,7 +59,8 @@ class DataConfig:
 
 @dataclass
 class FsdpPlanConfig:
-    # `model.visual` must be a unit of its own (the loss runs it before `model`); `model` and `lm_head` as units
+    # `model.visual` must be planned (the loss runs it before `model`: a unit of its own unless only the root encloses
+    # it); `model` and `lm_head` as units
     # keep the embeddings and the output layer sharded outside their use.
     apply_modules: list[str] = field(
         default_factory=lambda: [

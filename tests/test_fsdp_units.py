@@ -19,8 +19,9 @@ def model_of(layer_params: list[int]) -> nn.Module:
     return root
 
 
-def groups(model: nn.Module, patterns: list[str], unit_mib: float, alone: set[str] = frozenset()) -> list[list[str]]:
-    return unit_groups(model, match_modules(model, patterns, "parallel.fsdp_plan.apply_modules"), alone, unit_mib)
+def groups(model: nn.Module, patterns: list[str], unit_mib: float, alone=frozenset(), required=frozenset()):
+    matches = match_modules(model, patterns, "parallel.fsdp_plan.apply_modules")
+    return unit_groups(model, matches, set(alone), unit_mib, required=set(required))
 
 
 def test_consecutive_modules_merge_until_the_unit_size():
@@ -36,6 +37,11 @@ def test_consecutive_modules_merge_until_the_unit_size():
     ]
     assert groups(model, ["layers.{*}"], 2.5) == [[f"layers.{i}" for i in range(7)]]  # 2.5 MiB; layers.7 to the root
     assert groups(model, ["layers.{*}"], 1000) == []  # the whole model is smaller than one unit: the root alone
+    # a required module (run outside its parent's forward) below the unit size stays a unit only inside another unit
+    head = ["head", "head.inner"]
+    assert groups(model, head, 1.5, alone={"head.inner"}, required={"head.inner"}) == []
+    assert groups(model, head, 0.5, alone={"head.inner"}, required={"head.inner"}) == [["head"], ["head.inner"]]
+    assert groups(model, ["head.inner"], 1.5, alone={"head.inner"}) == [["head.inner"]]  # an expert stack: always
     # required units stay alone whatever their size and cut the run; patterns never merge with each other; nesting
     # is never merged
     assert groups(model, ["layers.{*}", "head", "head.inner"], 1, alone={"layers.3"}) == [
@@ -87,12 +93,10 @@ def test_merged_units_train_like_one_unit_per_module(tmp_path):
     }.items():
         result = train(tmp_path / name, PARITY + extra, nproc=2)
         assert result.returncode == 0, result.stderr[-3000:]
-        if name.startswith("merged"):  # only model.visual (run outside the root forward) is a unit of its own
-            assert (
-                "FSDP units: 1 planned module(s) in 1 unit(s) (unit_mib 1000), 8 below the unit size" in result.stdout
-            )
+        if name.startswith("merged"):  # the whole model is the root unit (model.visual too: no unit encloses it)
+            assert "FSDP units: 0 planned module(s) in 0 unit(s) (unit_mib 1000), 9 below" in result.stdout
         if name == "cpu_default":
-            assert "FSDP units: 1 planned module(s) in 1 unit(s) (unit_mib 32, the cpu default)" in result.stdout
+            assert "FSDP units: 0 planned module(s) in 0 unit(s) (unit_mib 32, the cpu default)" in result.stdout
         if name == "prefetch":
             assert "FSDP prefetch: 2 unit(s) ahead in forward and backward along each pattern" in result.stdout
         runs[name] = read_metrics(tmp_path / name)

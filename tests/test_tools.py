@@ -106,8 +106,8 @@ def test_preflight_counts_the_units_that_run(capsys):
     assert preflight_json(capsys, "--world-size", "2")["memory"]["transient"] == per_module["transient"]
     assert per_module["fsdp_units"] == 10  # 9 planned modules + the root
     merged = preflight_json(capsys, "--world-size", "2", "training.device=cpu")["memory"]
-    assert merged["fsdp_units"] == 2  # cpu default 32 MiB: model.visual (required) and the root with the rest
-    assert "FSDP units: 1 planned module(s) in 1 unit(s) at unit_mib 32 (the cpu default)" in merged["assumptions"]
+    assert merged["fsdp_units"] == 1  # cpu default 32 MiB: the root holds the whole tiny model
+    assert "FSDP units: 0 planned module(s) in 0 unit(s) at unit_mib 32 (the cpu default)" in merged["assumptions"]
     assert merged["transient"]["params"] > 2 * per_module["transient"]["params"]  # the root holds the text model
     prefetched = ["parallel.fsdp_plan.unit_mib=0", "parallel.fsdp_plan.prefetch=3"]
     deeper = preflight_json(capsys, "--world-size", "2", *prefetched)["memory"]["transient"]

@@ -3,7 +3,8 @@
 A step enters through the root module (`Glm4vMoeForTraining.forward`), so FSDP2's root hooks run; inside, the loss
 calls `model.model.visual` first (always: on a dummy image when a micro batch has none), then `model.model` and
 `model.lm_head`. The vision tower thus runs outside `model.model`'s forward, so under FSDP2 it must be a unit of its
-own (REQUIRED_FSDP_UNITS), which the FSDP plan checks.
+own (REQUIRED_FSDP_UNITS), which the FSDP plan checks, unless no unit but the root encloses it (size-based units:
+the root gathers it at the step's entry).
 
 Two seams let plans change the step without this module knowing them: the model's `sequence_layout` (how a sequence
 lies over the context-parallel ranks; `WholeSequence` here, a split one from the CP plan) and an lm_head that

@@ -77,7 +77,8 @@ def apply_fsdp(
         return matches
     size = unit_mib(plan, mesh.device_type)
     alone = set(required_units) | set(expert_units)
-    groups = [g for g in unit_groups(model, matches, alone, size) if g[0] not in expert_units]
+    groups = unit_groups(model, matches, alone, size, required=set(required_units))
+    groups = [g for g in groups if g[0] not in expert_units]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan.param_dtype], reduce_dtype=DTYPES[plan.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if plan.cpu_offload else OffloadPolicy()
     if size > 0:
@@ -116,13 +117,17 @@ def apply_fsdp(
     return matches
 
 
-def unit_groups(model: nn.Module, matches: list[PlanMatch], alone: set[str], unit_mib: float) -> list[list[str]]:
+def unit_groups(
+    model: nn.Module, matches: list[PlanMatch], alone: set[str], unit_mib: float, required: set[str] = frozenset()
+) -> list[list[str]]:
     """The FSDP2 units of a plan: each pattern's matched modules in model order, consecutive ones merged until a
     unit holds at least `unit_mib` MiB of parameters (0: every module alone). A run of modules that cannot fill a
     unit (a pattern's remainder, or all of a small model) is no unit: it stays with the enclosing unit (the root at
     the latest, gathered once per step), so every collective moves at least `unit_mib` or all that is left.
-    Modules in `alone` (required units, expert stacks) are units of their own whatever their size; modules nested
-    in one another are never merged; a module matched by several patterns is taken once, by the first."""
+    Modules in `alone` (required units, expert stacks) are units of their own whatever their size, except a
+    `required` one (a module the step runs outside its parent's forward) below the unit size that no remaining unit
+    encloses: the root, gathered at the step's entry, holds it then. Modules nested in one another are never
+    merged; a module matched by several patterns is taken once, by the first."""
 
     def mib(name: str) -> float:
         return sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters()) / 2**20
@@ -148,7 +153,16 @@ def unit_groups(model: nn.Module, matches: list[PlanMatch], alone: set[str], uni
                 current = []
         if current:
             groups.append(current)
-    return [group for group in groups if group[0] in alone or sum(mib(name) for name in group) >= unit_mib]
+    kept = [group for group in groups if group[0] in alone or sum(mib(name) for name in group) >= unit_mib]
+    enclosing = {name for group in kept for name in group if name not in required}
+
+    def needed(group: list[str]) -> bool:
+        name = group[0]
+        if name not in required or mib(name) >= unit_mib:
+            return True
+        return any(name.startswith(f"{other}.") for other in enclosing)
+
+    return [group for group in kept if needed(group)]
 
 
 def set_prefetch(model: nn.Module, matches: list[PlanMatch], groups: list[list[str]], depth: int) -> None:

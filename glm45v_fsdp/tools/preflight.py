@@ -164,7 +164,8 @@ def memory_report(
     # default unit size is the target device's (training.device; auto: npu, the backend's target).
     device_type = config.training.device if config.training.device != "auto" else "npu"
     size = unit_mib(plan, device_type)
-    groups = unit_groups(model, matched["fsdp"], set(REQUIRED_FSDP_UNITS) | set(expert_units), size)
+    required = set(REQUIRED_FSDP_UNITS)
+    groups = unit_groups(model, matched["fsdp"], required | set(expert_units), size, required=required)
     fsdp_units = sorted(name for group in groups for name in group)
     leader = {name: group[0] for group in groups for name in group}
     sharded = dims.world_size > 1 or plan.cpu_offload
