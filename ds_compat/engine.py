@@ -30,10 +30,11 @@ from ds_compat.comm import device_layer, get_local_rank
 from ds_compat.config import Translation, translate
 from ds_compat.dataloader import DeepSpeedDataLoader
 from glm45v_fsdp.checkpoint.dcp import LoadAdvice, load_checkpoint, save_model_and_optimizer
+from glm45v_fsdp.checkpoint.deepspeed import load_into, read_deepspeed, tag_dir_of
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger, setup_logging
-from glm45v_fsdp.optim import build_scheduler
+from glm45v_fsdp.optim import RecipeSchedule, build_scheduler
 from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, compute_precision
 from glm45v_fsdp.runtime import ParallelMeshes, build_parallel_dims
 from glm45v_fsdp.step import OptimizerStep, StepOutcome
@@ -583,14 +584,17 @@ class DeepSpeedEngine(nn.Module):
             tag = latest.read_text().strip()
         path = load_dir / str(tag)
         state_file = path / ENGINE_STATE_FILE
+        with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
+        if not state_file.is_file() and tag_dir_of(path) is not None:
+            return self._load_deepspeed_checkpoint(
+                path, load_module_strict, with_optimizer, load_lr_scheduler_states, load_module_only
+            )
         if not state_file.is_file():
             raise UserError(
-                f"load_checkpoint: '{path}' is not a checkpoint of this engine (no {ENGINE_STATE_FILE}). Pass the "
-                "save_dir given to save_checkpoint and one of its tags. DeepSpeed's own zero_pp_rank/mp_rank files "
-                "are not read: convert them to a state dict with deepspeed's zero_to_fp32 and load it into the model "
-                "before initialize()."
+                f"load_checkpoint: '{path}' is not a checkpoint of this engine (no {ENGINE_STATE_FILE}) nor one "
+                "written by DeepSpeed (no mp_rank_00_model_states.pt / zero_pp_rank_0_mp_rank_00_model_states.pt). "
+                "Pass the save_dir given to save_checkpoint and one of its tags."
             )
-        with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
         load_checkpoint(
             self.module, self.optimizer if with_optimizer else None, path, strict=load_module_strict, advice=ENGINE_LOAD
         )
@@ -610,6 +614,35 @@ class DeepSpeedEngine(nn.Module):
             "restored" if with_optimizer else "not restored",
         )
         return str(path), state["client_state"]
+
+    def _load_deepspeed_checkpoint(
+        self, path: Path, strict: bool, with_optimizer: bool, with_scheduler: bool, module_only: bool
+    ) -> tuple[str, dict]:
+        """A checkpoint the real DeepSpeed wrote (any ZeRO stage and world size): weights, Adam moments and step,
+        the schedule's position, the counters; returns the client state as DeepSpeed does."""
+        state = read_deepspeed(path, with_optimizer=with_optimizer)
+        load_into(self.module, self.optimizer if with_optimizer else None, state, strict=strict)
+        if not module_only:
+            saved = state.model_states.get("lr_scheduler")
+            if with_scheduler and self.lr_scheduler is not None and saved is not None:
+                if isinstance(self.lr_scheduler, RecipeSchedule) and "last_batch_iteration" in saved:
+                    self.lr_scheduler.step(last_batch_iteration=int(saved["last_batch_iteration"]))
+                else:
+                    self.lr_scheduler.load_state_dict(saved)
+            if self.loss_scaler is not None and state.loss_scale is not None:
+                self.loss_scaler.scale = float(state.loss_scale["cur_scale"])
+            self.global_steps = int(state.model_states.get("global_steps", 0))
+            self.global_samples = int(state.model_states.get("global_samples", 0))
+            self.skipped_steps = int(state.model_states.get("skipped_steps", 0))
+        self.log.info(
+            "ds_compat: loaded DeepSpeed checkpoint %s (ZeRO %d, written by %d rank(s), global step %d, optimizer %s)",
+            path,
+            state.layout.stage,
+            state.layout.world_size,
+            self.global_steps,
+            "restored" if with_optimizer and state.moments else "not restored",
+        )
+        return str(path), state.client_state()
 
     def module_state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
         """The model's full state dict (collective under FSDP2; every rank gets the tensors, on CPU)."""

@@ -335,3 +335,53 @@ def describe(path: str | Path, tag: str | None = None) -> dict[str, Any]:
         "client_state_keys": sorted(k for k in head if k not in (*ENGINE_KEYS, "lr_scheduler", "optimizer")),
         "keys": params,
     }
+
+
+def load_into(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: DeepSpeedState, strict: bool = True
+) -> None:
+    """Put a consolidated DeepSpeed checkpoint into `model` (plain or FSDP2-sharded; names as DeepSpeed saved them)
+    and, when given and the checkpoint has them, the Adam moments and step into `optimizer` (every rank passes the
+    full tensors; each keeps its shard). Missing or unexpected keys stop before anything is copied (`strict`)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    expected = get_model_state_dict(model)
+    missing = sorted(set(expected) - set(state.weights))
+    unexpected = sorted(set(state.weights) - set(expected))
+    misshapen = sorted(
+        n for n in set(expected) & set(state.weights) if tuple(expected[n].shape) != tuple(state.weights[n].shape)
+    )
+    if misshapen or (strict and (missing or unexpected)):
+        raise UserError(
+            f"The DeepSpeed checkpoint '{state.layout.tag_dir}' does not fit the model: missing {missing[:10]}, "
+            f"unexpected {unexpected[:10]}, shape mismatch {misshapen[:10]} ({len(missing)} / {len(unexpected)} / "
+            f"{len(misshapen)} in all). Load it into the model that wrote it (the same class and config)."
+        )
+    weights = {name: state.weights[name] for name in expected if name in state.weights}
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
+    if optimizer is None or not state.moments:
+        return
+    names = {id(param): name for name, param in model.named_parameters()}
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    wanted = [name for group in groups for name in group["params"]]
+    lacking = [name for name in wanted if name not in state.moments]
+    if lacking:
+        raise UserError(
+            f"The DeepSpeed checkpoint '{state.layout.tag_dir}' has no optimizer state for {lacking[:10]} "
+            f"({len(lacking)} parameter(s)): its optimizer did not train them. Load the weights only "
+            "(load_optimizer_states=False / training.no_load_optim=true)."
+        )
+    step = torch.tensor(float(state.step), dtype=torch.float32)
+    full = {
+        "state": {name: {"step": step.clone(), **state.moments[name]} for name in wanted},
+        "param_groups": groups,
+    }
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
