@@ -214,9 +214,10 @@ class TrainingConfig:
     # First step of the summary's stats window; 0 = skip the first 10% of steps (at least one).
     stats_start_step: int = 0
     # Weights / checkpoint to start from: an HF model directory (safetensors), a DCP save directory (its latest
-    # complete checkpoint) or one DCP checkpoint. null = initialise from scratch (the log says so).
+    # complete checkpoint), one DCP checkpoint, or a DeepSpeed save directory / global_stepN directory (resumed:
+    # weights, Adam moments, step, schedule). null = initialise from scratch (the log says so).
     load: str | None = None
-    load_format: Literal["auto", "hf", "dcp"] = "auto"
+    load_format: Literal["auto", "hf", "dcp", "deepspeed"] = "auto"
     # Missing, unexpected or shape-mismatched keys stop the run before step 1.
     load_strict: bool = True
     no_load_optim: bool = False

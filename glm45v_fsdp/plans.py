@@ -401,7 +401,8 @@ class WeightsPlan(Plan):
             if not diff.ok:
                 log.warning("weights: not loaded (training.load_strict=false): %s", describe_diff(diff))
         else:
-            log.info("weights: restored from DCP checkpoint %s once the optimizer is built (resume)", source.path)
+            kind = "DeepSpeed" if source.format == "deepspeed" else "DCP"
+            log.info("weights: restored from %s checkpoint %s once the optimizer is built (resume)", kind, source.path)
         return []
 
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:

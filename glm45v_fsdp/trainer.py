@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from glm45v_fsdp.builders import Runtime
 from glm45v_fsdp.checkpoint.dcp import Checkpointer, load_checkpoint
+from glm45v_fsdp.checkpoint.deepspeed import load_into, read_deepspeed
 from glm45v_fsdp.checkpoint.layout import describe_diff
 from glm45v_fsdp.checkpoint.state import capture_rng, read_trainer_state, restore_rng
 from glm45v_fsdp.config import Config, dump_yaml
@@ -147,6 +148,31 @@ class Trainer:
             "config": dump_yaml(self.config),
             "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
+
+    def resume_deepspeed(self, tag_dir: Path) -> None:
+        """Continue a run the real DeepSpeed saved (any ZeRO stage and world size): weights, the Adam moments and
+        step (unless training.no_load_optim), the schedule's position and the counters. The loader must already
+        start at the checkpoint's data position (train.py builds it from DeepSpeed's global_samples)."""
+        training = self.config.training
+        state = read_deepspeed(tag_dir, with_optimizer=not training.no_load_optim)
+        load_into(self.model, None if training.no_load_optim else self.optimizer, state, strict=training.load_strict)
+        saved = state.model_states.get("lr_scheduler") or {}
+        self.step = state.global_steps
+        self.scheduler.step(last_batch_iteration=int(saved.get("last_batch_iteration", self.step - 1)))
+        if self.scaler is not None and state.loss_scale is not None:
+            self.scaler.scale = float(state.loss_scale["cur_scale"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        self.skipped_steps = int(state.model_states.get("skipped_steps") or 0)
+        self.consumed_samples = int(state.model_states.get("global_samples") or 0)
+        self.log.info(
+            "resume: DeepSpeed checkpoint %s (ZeRO %d, %d rank(s), global step %d); optimizer %s",
+            tag_dir,
+            state.layout.stage,
+            state.layout.world_size,
+            self.step,
+            "restored" if state.moments and not training.no_load_optim else "not restored",
+        )
 
     def resume(self, checkpoint: Path) -> None:
         """Restore model, optimizer (unless training.no_load_optim), scheduler, counters and RNG (unless

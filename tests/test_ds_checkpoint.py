@@ -109,3 +109,42 @@ def test_damaged_checkpoints_are_clear_errors(deepspeed_runs, tmp_path):
         locate(broken)
     with pytest.raises(UserError, match="is not a DeepSpeed checkpoint"):
         locate(tmp_path)
+
+
+def test_trainer_resumes_a_deepspeed_run_of_transformers_glm45v(tmp_path):
+    """The real DeepSpeed trains transformers' tiny GLM-4.5V (ZeRO-2, 2 ranks, bench deepspeed's workload) for 4
+    steps and saves; our trainer (`--deepspeed` with the same ds_config, training.load = DeepSpeed's save dir) takes
+    the next step with the loss DeepSpeed's own resume gets."""
+    env = {**clean_env(), "DS_ACCELERATOR": "cpu"}
+    worker = ["-m", "glm45v_fsdp.tools.bench_deepspeed_worker", "--backend=deepspeed", "--zero=2"]
+
+    def run(command: list[str]) -> None:
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+    initial, saves = tmp_path / "initial", tmp_path / "saves"
+    run([sys.executable, *worker, f"--save-initial={initial}"])
+    run(torchrun(2, *worker, "--steps=4", f"--save={saves}", f"--out={tmp_path / 'train.json'}"))
+    resume = ["--steps=1", "--first-step=4", f"--resume={saves}", f"--out={tmp_path / 'resume.json'}"]
+    run(torchrun(2, *worker, *resume))
+    reference = json.loads((tmp_path / "resume.json").read_text())["losses"][0]
+    overrides = [
+        "model.config_overrides.text_config.num_hidden_layers=2",
+        "data.synthetic_text_tokens=256",
+        "data.synthetic_image_size=112",
+        "data.synthetic_images_per_sample=1",
+        "data.synthetic_samples=24",
+        "data.shuffle=false",
+        "training.train_iters=5",
+        f"training.load={saves}",
+        f"training.output_dir={tmp_path / 'ours'}",
+        "training.lr_scheduler=constant",
+        "training.lr_warmup_ratio=0",
+    ]
+    ours = ["-m", "glm45v_fsdp.train", "--deepspeed", str(initial / "ds_config.json"), *overrides]
+    result = subprocess.run(torchrun(2, *ours), env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resume: DeepSpeed checkpoint" in result.stdout and "(ZeRO 2, 2 rank(s), global step 4)" in result.stdout
+    records = [json.loads(line) for line in (tmp_path / "ours" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5]
+    assert abs(records[0]["loss"] - reference) <= 1e-5 * abs(reference), (records[0]["loss"], reference)

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from glm45v_fsdp.checkpoint.deepspeed import locate, tag_dir_of
 from glm45v_fsdp.checkpoint.hf import detect_format
 from glm45v_fsdp.checkpoint.layout import KeyDiff, compare_keys, describe_diff
 from glm45v_fsdp.checkpoint.state import RNG_DIR, TRAINER_STATE_FILE, rng_file
@@ -112,8 +113,9 @@ def is_weights_only(path: Path) -> bool:
 
 @dataclass(frozen=True)
 class LoadSource:
-    """What training.load resolves to: format 'hf' (a model directory), 'dcp' (one complete checkpoint: resume)
-    or 'dcp-weights' (a weights-only DCP checkpoint: a fast sharded start at step 0)."""
+    """What training.load resolves to: format 'hf' (a model directory), 'dcp' (one complete checkpoint: resume),
+    'dcp-weights' (a weights-only DCP checkpoint: a fast sharded start at step 0) or 'deepspeed' (a tag directory
+    of a DeepSpeed checkpoint: resume)."""
 
     format: str
     path: Path
@@ -130,6 +132,9 @@ def resolve_load(training: TrainingConfig) -> LoadSource | None:
             f"directory, a DCP save directory (an earlier run's training.save) or one of its step_NNNNNNNN "
             f"checkpoints, or set training.load=null to initialise from scratch."
         )
+    deepspeed_tag = tag_dir_of(path)
+    if training.load_format == "deepspeed" or (training.load_format == "auto" and deepspeed_tag is not None):
+        return LoadSource("deepspeed", locate(path).tag_dir)
     fmt = detect_format(path) if training.load_format == "auto" else training.load_format
     if fmt == "hf":
         return LoadSource("hf", path)

@@ -312,6 +312,12 @@ def read_deepspeed(path: str | Path, tag: str | None = None, with_optimizer: boo
     return DeepSpeedState(layout, weights, moments, step, hyperparameters, states, loss_scale)
 
 
+def consumed_samples(tag_dir: Path) -> int:
+    """The samples a DeepSpeed run had trained on at its checkpoint (its global_samples)."""
+    head = load_file(locate(tag_dir).model_files[0])
+    return int(head.get("global_samples") or 0)
+
+
 def describe(path: str | Path, tag: str | None = None) -> dict[str, Any]:
     """What `convert inspect` prints about a DeepSpeed checkpoint."""
     layout = locate(path, tag)

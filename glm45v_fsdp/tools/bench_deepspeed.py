@@ -59,7 +59,7 @@ def trainer_command(args: argparse.Namespace, initial: Path, run_dir: Path, trac
     """Our trainer behind `--deepspeed` on the worker's model (its saved initial weights) and batches (the same
     workload keys, unshuffled: the sampler's rank-major chunks are the worker's batches); the ds_config's constant lr
     (no scheduler), as DeepSpeed keeps it."""
-    workload = argparse.Namespace(**WORKLOAD, steps=args.steps, micro=args.micro)
+    workload = argparse.Namespace(**WORKLOAD, steps=args.steps, micro=args.micro, first_step=0)
     overrides = [
         *workload_overrides(workload, args.ranks),
         "data.shuffle=false",

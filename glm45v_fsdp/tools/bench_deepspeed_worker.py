@@ -52,7 +52,7 @@ def workload_overrides(args: argparse.Namespace, world: int) -> list[str]:
         f"data.synthetic_text_tokens={args.text_tokens}",
         f"data.synthetic_image_size={args.image_size}",
         "data.synthetic_images_per_sample=1",
-        f"data.synthetic_samples={(args.steps + 1) * args.micro * world}",
+        f"data.synthetic_samples={(args.first_step + args.steps + 1) * args.micro * world}",
     ]
 
 
@@ -79,7 +79,7 @@ def build_model_and_batches(args: argparse.Namespace, rank: int, world: int):
     config, hf_config, model = build_model(args, world)
     data = build_training_data(config, hf_config)
     batches = []
-    for step in range(args.steps + 1):
+    for step in range(args.first_step, args.first_step + args.steps + 1):
         first = (step * world + rank) * args.micro
         samples = [data.dataset[index] for index in range(first, first + args.micro)]
         batch = collate(samples, data.tokenizer.pad_token_id)
@@ -130,6 +130,9 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=WORKLOAD["image_size"], help="112 px: 8 x 8 = 64 patches")
     parser.add_argument("--world-size", type=int, default=2, help="bare / --save-initial: the ranks of the others")
     parser.add_argument("--save-initial", metavar="DIR", help="write the initial weights and ds_config to DIR")
+    parser.add_argument("--save", metavar="DIR", help="save_checkpoint(DIR) after the timed steps")
+    parser.add_argument("--resume", metavar="DIR", help="load_checkpoint(DIR) first; then --first-step must match")
+    parser.add_argument("--first-step", type=int, default=0, help="the global step the batches start at")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out")
     parser.add_argument("--local_rank", type=int, default=-1)
@@ -154,6 +157,9 @@ def main() -> None:
         model, batches = build_model_and_batches(args, rank, world)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
         device = engine.device
+        if args.resume:
+            engine.load_checkpoint(args.resume)
+            assert engine.global_steps == args.first_step, (engine.global_steps, args.first_step)
 
         def step(batch: dict) -> torch.Tensor:
             inputs = {key: value.to(engine.device) for key, value in batch.items()}
@@ -176,6 +182,9 @@ def main() -> None:
         if profiler is not None and index == 9:
             profiler.stop()
             profile = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+
+    if args.save:
+        engine.save_checkpoint(args.save)
 
     from glm45v_fsdp.runtime.device import DeviceLayer
     from glm45v_fsdp.runtime.memory import MemoryMeter
