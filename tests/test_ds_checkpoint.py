@@ -111,10 +111,10 @@ def test_damaged_checkpoints_are_clear_errors(deepspeed_runs, tmp_path):
         locate(tmp_path)
 
 
-def test_trainer_resumes_a_deepspeed_run_of_transformers_glm45v(tmp_path):
+def test_trainer_resumes_a_deepspeed_run_of_transformers_glm45v(tmp_path, capsys):
     """The real DeepSpeed trains transformers' tiny GLM-4.5V (ZeRO-2, 2 ranks, bench deepspeed's workload) for 4
     steps and saves; our trainer (`--deepspeed` with the same ds_config, training.load = DeepSpeed's save dir) takes
-    the next step with the loss DeepSpeed's own resume gets."""
+    the next step with the loss DeepSpeed's own resume gets; then the offline conversions of that checkpoint."""
     env = {**clean_env(), "DS_ACCELERATOR": "cpu"}
     worker = ["-m", "glm45v_fsdp.tools.bench_deepspeed_worker", "--backend=deepspeed", "--zero=2"]
 
@@ -148,3 +148,26 @@ def test_trainer_resumes_a_deepspeed_run_of_transformers_glm45v(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "ours" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [5]
     assert abs(records[0]["loss"] - reference) <= 1e-5 * abs(reference), (records[0]["loss"], reference)
+    check_convert(saves, tmp_path, capsys)
+
+
+def check_convert(saves: Path, tmp_path: Path, capsys) -> None:
+    """`convert inspect` describes the DeepSpeed checkpoint; `ds-to-hf` writes weights transformers loads, equal to
+    DeepSpeed's fp32 masters; without the right --config the model does not fit and nothing is written."""
+    from transformers import Glm4vMoeForConditionalGeneration
+
+    from glm45v_fsdp.tools.convert import main as convert
+
+    assert convert(["inspect", str(saves)]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO stage 2, written by 2 rank(s), float32" in out and "global step 4" in out
+    assert "expert layout: stacked" in out
+    config = tmp_path / "two_layers.yaml"
+    config.write_text("model:\n  config_overrides:\n    text_config:\n      num_hidden_layers: 2\n")
+    assert convert(["ds-to-hf", str(saves), str(tmp_path / "hf_default")]) == 2
+    assert "Pass --config" in capsys.readouterr().err and not (tmp_path / "hf_default").exists()
+    assert convert(["ds-to-hf", str(saves), str(tmp_path / "hf"), "--config", str(config)]) == 0
+    exported = Glm4vMoeForConditionalGeneration.from_pretrained(tmp_path / "hf").state_dict()
+    masters = read_deepspeed(saves, with_optimizer=False).weights
+    assert set(exported) == set(masters)
+    assert all(torch.equal(exported[name], masters[name]) for name in masters)

@@ -1,4 +1,4 @@
-"""Convert and inspect GLM-4.5V checkpoints: `python -m glm45v_fsdp.tools.convert {inspect,dcp-to-hf,hf-to-dcp} ...`.
+"""Convert and inspect GLM-4.5V checkpoints: `python -m glm45v_fsdp.tools.convert COMMAND ...`.
 
   inspect PATH [--config C]          keys (per-layer patterns collapsed), shapes, dtypes, expert layout and key
                                      prefixes of an HF directory or a DCP checkpoint; with --config, whether it fits
@@ -6,6 +6,9 @@
   dcp-to-hf CKPT OUT [--config C]    a DCP checkpoint (or the newest complete one of a save directory) -> HF
                                      safetensors, experts per expert, loadable by transformers.
   hf-to-dcp HF OUT [--config C]      HF safetensors (either expert layout) -> a DCP checkpoint {"model": state dict}.
+  ds-to-hf DS_DIR OUT [--config C]   a DeepSpeed checkpoint (ZeRO 0-3, any world size; its fp32 master weights) -> HF
+                                     safetensors; ds-to-dcp DS_DIR OUT: -> a weights-only DCP checkpoint. To keep
+                                     the optimizer and the step, point training.load at the DeepSpeed directory.
 
 Both conversions run in one process and build the model from --config, else from the config the input carries
 (a training checkpoint's trainer state, or config.json), else the default tiny config. Errors exit 2.
@@ -31,6 +34,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from glm45v_fsdp.checkpoint.dcp import find_checkpoint
+from glm45v_fsdp.checkpoint.deepspeed import describe, load_into, read_deepspeed, tag_dir_of
 from glm45v_fsdp.checkpoint.hf import DCP_METADATA, checkpoint_files, detect_format, load_hf_weights, read_headers
 from glm45v_fsdp.checkpoint.hf_export import export_hf
 from glm45v_fsdp.checkpoint.layout import Shape, check_keys, describe_diff, detect_expert_layout
@@ -182,8 +186,28 @@ def _fresh_output(out: Path, what: str) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def inspect_deepspeed(tag_dir: Path) -> int:
+    info = describe(tag_dir)
+    print(
+        f"DeepSpeed checkpoint {info['tag_dir']}: ZeRO stage {info['zero_stage']}, written by {info['world_size']} "
+        f"rank(s), {info['dtype']}, DeepSpeed {info['ds_version']}, global step {info['global_steps']}"
+    )
+    print(f"files: {', '.join(info['files'])}")
+    print(f"parameters: {info['parameters']} ({info['parameter_numel'] / 1e6:.2f}M elements)")
+    print(f"client state keys: {', '.join(info['client_state_keys']) or 'none'}")
+    entries = {key: (tuple(shape), info["dtype"]) for key, shape in info["keys"].items()}
+    print(f"expert layout: {detect_expert_layout(model_shapes(entries)) or 'none (no routed experts)'}")
+    print(f"key prefixes: {_prefixes(list(entries))}")
+    print("parameters (numeric key components collapsed):")
+    print("\n".join(collapse(entries)))
+    return 0
+
+
 def inspect(args: argparse.Namespace) -> int:
     path = Path(args.path).expanduser()
+    tag_dir = tag_dir_of(path) if path.is_dir() else None
+    if tag_dir is not None:
+        return inspect_deepspeed(tag_dir)
     fmt = detect_format(path, "inspect PATH")
     if fmt == "hf":
         source, files = checkpoint_files(path)
@@ -242,6 +266,47 @@ def dcp_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deepspeed_model(args: argparse.Namespace, what: str) -> tuple[nn.Module, object, Config, str, Path]:
+    """The model built from --config (else the default tiny config) with a DeepSpeed checkpoint's weights (strict)."""
+    state = read_deepspeed(Path(args.deepspeed).expanduser(), with_optimizer=False)
+    config, origin = resolve_config(args.config, state.layout.tag_dir)
+    model, hf_config = build_model(config)
+    try:
+        load_into(model, None, state, strict=True)
+    except UserError as error:
+        raise UserError(f"{what}: {error} Pass --config with the model settings DeepSpeed trained.") from None
+    return model, hf_config, config, origin, state.layout.tag_dir
+
+
+def ds_to_hf(args: argparse.Namespace) -> int:
+    out = Path(args.out).expanduser()
+    _fresh_output(out, "ds-to-hf OUT")
+    with single_process_group():
+        model, hf_config, config, origin, tag_dir = _deepspeed_model(args, "ds-to-hf DS_DIR")
+        name_or_path = config.model.name_or_path
+        export_hf(
+            model,
+            out,
+            hf_config,
+            tokenizer=load_tokenizer(name_or_path) if _has_tokenizer(name_or_path) else None,
+            image_processor=load_image_processor(name_or_path, hf_config.vision_config),
+            dtype=DTYPES[args.dtype] if args.dtype else None,
+        )
+    print(f"ds-to-hf: {tag_dir} -> {out} (model from {origin})")
+    return 0
+
+
+def ds_to_dcp(args: argparse.Namespace) -> int:
+    out = Path(args.out).expanduser()
+    _fresh_output(out, "ds-to-dcp OUT")
+    with single_process_group():
+        model, hf_config, _, origin, tag_dir = _deepspeed_model(args, "ds-to-dcp DS_DIR")
+        dcp.save({MODEL_KEY: model.state_dict()}, checkpoint_id=str(out))
+        hf_config.save_pretrained(out)
+    print(f"ds-to-dcp: {tag_dir} -> {out} (weights-only DCP checkpoint; model from {origin})")
+    return 0
+
+
 def _has_tokenizer(name_or_path: str | None) -> bool:
     """The tiny tokenizer always exists; a model directory may come without tokenizer files."""
     return name_or_path is None or any(Path(name_or_path).glob("tokenizer*"))
@@ -271,7 +336,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     config_help = "training YAML whose model section describes the model (default: the checkpoint's own)"
     sub = commands.add_parser("inspect", help="keys, shapes, dtypes, expert layout, prefixes; --config: fit check")
-    sub.add_argument("path", help="an HF model directory, a DCP checkpoint or a training.save directory")
+    sub.add_argument("path", help="an HF model directory, a DCP checkpoint, a training.save or a DeepSpeed directory")
     sub.add_argument("--config", help="training YAML to check the checkpoint against (exit 1 if it does not fit)")
     sub.set_defaults(run=inspect)
     sub = commands.add_parser("dcp-to-hf", help="DCP checkpoint -> HF safetensors (per-expert layout)")
@@ -285,6 +350,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.add_argument("out", help="new DCP checkpoint directory")
     sub.add_argument("--config", help=config_help)
     sub.set_defaults(run=hf_to_dcp)
+    for name, run, what in (
+        ("ds-to-hf", ds_to_hf, "HF safetensors (per-expert layout)"),
+        ("ds-to-dcp", ds_to_dcp, "a weights-only DCP checkpoint (training.load starts from it at step 0)"),
+    ):
+        sub = commands.add_parser(name, help=f"DeepSpeed checkpoint (ZeRO 0-3, any world size) -> {what}")
+        sub.add_argument("deepspeed", help="a DeepSpeed save_dir (its `latest` tag) or one global_stepN directory")
+        sub.add_argument("out", help="new output directory")
+        sub.add_argument("--config", help="training YAML whose model section describes the model (default: tiny)")
+        if name == "ds-to-hf":
+            sub.add_argument("--dtype", choices=sorted(DTYPES), help="tensor dtype to write (default: fp32)")
+        sub.set_defaults(run=run)
     return parser.parse_args(argv)
 
 
