@@ -31,6 +31,7 @@ from ds_compat.config import Translation, translate
 from ds_compat.dataloader import DeepSpeedDataLoader
 from glm45v_fsdp.checkpoint.dcp import LoadAdvice, load_checkpoint, save_model_and_optimizer
 from glm45v_fsdp.checkpoint.deepspeed import load_into, read_deepspeed, tag_dir_of
+from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger, setup_logging
@@ -39,7 +40,6 @@ from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, compute_precision
 from glm45v_fsdp.runtime import ParallelMeshes, build_parallel_dims
 from glm45v_fsdp.step import OptimizerStep, StepOutcome
 
-ENGINE_STATE_FILE = "engine_state.pt"
 ENGINE_LOAD = LoadAdvice(
     source="Checkpoint '{path}'",
     mismatch_fix="Load it into the model it was saved from, or pass load_module_strict=False to take only the "

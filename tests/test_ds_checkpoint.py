@@ -1,10 +1,11 @@
-"""DeepSpeed checkpoints read by this backend (glm45v_fsdp/checkpoint/deepspeed.py, the engine API's load_checkpoint).
+"""DeepSpeed checkpoints in both directions (glm45v_fsdp/checkpoint/deepspeed.py and deepspeed_write.py).
 
 The real DeepSpeed trains tests/ds_checkpoint_script.py for 10 steps on 2 gloo ranks and saves at ZeRO 0, 2 and 3,
 then resumes itself for 10 more steps: the reference. The same script on `import ds_compat as deepspeed` resumes
 those checkpoints on 1, 2 and 4 ranks and must continue with DeepSpeed's losses (mean relative error <= 1e-5), with
-the client state round-tripped. The reader runs without DeepSpeed importable, and a damaged checkpoint is a clear
-error naming the file.
+the client state round-tripped; our trainer resumes DeepSpeed's checkpoint of transformers' tiny GLM-4.5V. The other
+way, `convert dcp-to-ds` turns our checkpoints into DeepSpeed's layout and DeepSpeed resumes them with our losses.
+The reader runs without DeepSpeed importable, and a damaged checkpoint is a clear error naming the file.
 """
 
 from __future__ import annotations
@@ -171,3 +172,23 @@ def check_convert(saves: Path, tmp_path: Path, capsys) -> None:
     masters = read_deepspeed(saves, with_optimizer=False).weights
     assert set(exported) == set(masters)
     assert all(torch.equal(exported[name], masters[name]) for name in masters)
+
+
+def test_deepspeed_resumes_our_checkpoints(tmp_path):
+    """The other direction: the script trains 10 steps on `import ds_compat as deepspeed` and saves (our DCP
+    layout); `convert dcp-to-ds` writes DeepSpeed's layout for ZeRO 0, 2 and 3 on 2 ranks; the real DeepSpeed resumes
+    it with the losses our own resume gets, and the client state."""
+    from glm45v_fsdp.tools.convert import main as convert
+
+    saves, converted = tmp_path / "saves", tmp_path / "converted"
+    run_script(2, "ds_compat", "train", saves, tmp_path / "train.json")
+    for stage in STAGES:
+        arguments = [str(saves / f"zero{stage}"), str(converted / f"zero{stage}")]
+        assert convert(["dcp-to-ds", *arguments, "--zero-stage", stage, "--world-size", "2"]) == 0
+    ours = run_script(2, "ds_compat", "resume", saves, tmp_path / "ours.json")
+    theirs = run_script(2, "deepspeed", "resume", converted, tmp_path / "theirs.json")
+    for stage in STAGES:
+        assert theirs[stage]["client_state_ok"] and theirs[stage]["global_steps_loaded"] == 10, stage
+        assert theirs[stage]["lr"] == pytest.approx(ours[stage]["lr"]), stage
+        error = mean_rel_err(theirs[stage]["losses"], ours[stage]["losses"])
+        assert error <= 1e-5, (stage, error)

@@ -242,6 +242,19 @@ def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {key[len(prefix) :]: value for key, value in state.items()}
 
 
+def read_full_checkpoint(checkpoint: Path) -> dict[str, Any]:
+    """Everything a DCP checkpoint holds ({"model": ..., "optim": ...}), full tensors on CPU, read offline without a
+    model or a process group (as torch's dcp_to_torch_save reads it)."""
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state, storage_reader=FileSystemReader(checkpoint), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
+    return state
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Save
 # --------------------------------------------------------------------------------------------------------------

@@ -372,6 +372,12 @@ def load_into(
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
     if optimizer is None or not state.moments:
         return
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise UserError(
+            f"The DeepSpeed checkpoint '{state.layout.tag_dir}' holds Adam moments (exp_avg, exp_avg_sq), but this "
+            f"run's optimizer is torch.optim.{type(optimizer).__name__}: they do not map onto it. Train with Adam / "
+            "AdamW, or load the weights only (load_optimizer_states=False / training.no_load_optim=true)."
+        )
     names = {id(param): name for name, param in model.named_parameters()}
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}

@@ -18,6 +18,7 @@ from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.runtime import DeviceLayer
 
 TRAINER_STATE_FILE = "trainer_state.pt"
+ENGINE_STATE_FILE = "engine_state.pt"  # the ds_compat engine's counterpart (DeepSpeed's counters, client state)
 RNG_DIR = "rng"
 
 

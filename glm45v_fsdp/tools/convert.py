@@ -9,6 +9,8 @@
   ds-to-hf DS_DIR OUT [--config C]   a DeepSpeed checkpoint (ZeRO 0-3, any world size; its fp32 master weights) -> HF
                                      safetensors; ds-to-dcp DS_DIR OUT: -> a weights-only DCP checkpoint. To keep
                                      the optimizer and the step, point training.load at the DeepSpeed directory.
+  dcp-to-ds CKPT OUT --zero-stage N --world-size W   one of our checkpoints -> DeepSpeed's layout for ZeRO stage N
+                                     on W ranks (checkpoint/deepspeed_write.py): DeepSpeed resumes it.
 
 Both conversions run in one process and build the model from --config, else from the config the input carries
 (a training checkpoint's trainer state, or config.json), else the default tiny config. Errors exit 2.
@@ -24,6 +26,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,19 +36,19 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from glm45v_fsdp.checkpoint.dcp import find_checkpoint
+from glm45v_fsdp.checkpoint.dcp import MODEL_KEY, OPTIM_KEY, find_checkpoint, read_full_checkpoint
 from glm45v_fsdp.checkpoint.deepspeed import describe, load_into, read_deepspeed, tag_dir_of
+from glm45v_fsdp.checkpoint.deepspeed_write import FullState, write_deepspeed
 from glm45v_fsdp.checkpoint.hf import DCP_METADATA, checkpoint_files, detect_format, load_hf_weights, read_headers
 from glm45v_fsdp.checkpoint.hf_export import export_hf
 from glm45v_fsdp.checkpoint.layout import Shape, check_keys, describe_diff, detect_expert_layout
-from glm45v_fsdp.checkpoint.state import TRAINER_STATE_FILE, read_trainer_state
+from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE, TRAINER_STATE_FILE, read_trainer_state
 from glm45v_fsdp.config import Config, config_from_dict, load_config
 from glm45v_fsdp.data import load_image_processor, load_tokenizer
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.model import build_meta_model, load_hf_config, materialize
 
 PROG = "python -m glm45v_fsdp.tools.convert"
-MODEL_KEY = "model"  # DCP keys are "model.<parameter FQN>"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -307,6 +310,63 @@ def ds_to_dcp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_state(checkpoint: Path) -> dict[str, Any]:
+    """The counters, schedule, ds_config and client state of one of our checkpoints in DeepSpeed's terms: from the
+    ds_compat engine's engine_state.pt or the trainer's trainer_state.pt."""
+    if (checkpoint / ENGINE_STATE_FILE).is_file():
+        engine = torch.load(checkpoint / ENGINE_STATE_FILE, map_location="cpu", weights_only=False)
+        schedule = engine.get("lr_scheduler")
+        if schedule is not None and "steps" in schedule:  # the engine's RecipeSchedule: steps taken
+            schedule = {"last_batch_iteration": schedule["steps"] - 1}
+        return {
+            "global_steps": engine["global_steps"],
+            "global_samples": engine["global_samples"],
+            "skipped_steps": engine["skipped_steps"],
+            "lr_scheduler": schedule,
+            "ds_config": engine.get("ds_config") or {},
+            "client_state": engine.get("client_state") or {},
+        }
+    trainer = read_trainer_state(checkpoint)
+    return {
+        "global_steps": trainer["step"],
+        "global_samples": trainer["consumed_samples"],
+        "skipped_steps": trainer["skipped_steps"],
+        "lr_scheduler": {"last_batch_iteration": trainer["scheduler"]["steps"] - 1},
+        "ds_config": {},
+        "client_state": {},
+    }
+
+
+def dcp_to_ds(args: argparse.Namespace) -> int:
+    path = Path(args.checkpoint).expanduser()
+    latest = path / "latest"
+    if (path / ENGINE_STATE_FILE).is_file() or not latest.is_file():
+        checkpoint = path if (path / ENGINE_STATE_FILE).is_file() else pick_checkpoint(path, "dcp-to-ds CKPT")
+    else:
+        checkpoint = path / latest.read_text().strip()  # the engine's save_dir: DeepSpeed's `latest` names the tag
+    out = Path(args.out).expanduser()
+    _fresh_output(out, "dcp-to-ds OUT")
+    full = read_full_checkpoint(checkpoint)
+    optim = full.get(OPTIM_KEY)
+    if not optim or not optim.get("state"):
+        raise UserError(
+            f"dcp-to-ds CKPT = '{checkpoint}' holds no optimizer state (a weights-only checkpoint, or saved before "
+            "the first step): DeepSpeed resumes only a full optimizer state."
+        )
+    groups = [list(group["params"]) for group in optim["param_groups"]]
+    state = FullState(
+        model=full[MODEL_KEY],
+        groups=groups,
+        hyperparameters=[{k: v for k, v in group.items() if k != "params"} for group in optim["param_groups"]],
+        moments={name: {k: slot[k] for k in ("exp_avg", "exp_avg_sq")} for name, slot in optim["state"].items()},
+        step=float(next(iter(optim["state"].values()))["step"]),
+        **_run_state(checkpoint),
+    )
+    tag_dir = write_deepspeed(state, out, args.zero_stage, args.world_size)
+    print(f"dcp-to-ds: {checkpoint} -> {tag_dir} (ZeRO stage {args.zero_stage}, {args.world_size} rank(s))")
+    return 0
+
+
 def _has_tokenizer(name_or_path: str | None) -> bool:
     """The tiny tokenizer always exists; a model directory may come without tokenizer files."""
     return name_or_path is None or any(Path(name_or_path).glob("tokenizer*"))
@@ -361,6 +421,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if name == "ds-to-hf":
             sub.add_argument("--dtype", choices=sorted(DTYPES), help="tensor dtype to write (default: fp32)")
         sub.set_defaults(run=run)
+    sub = commands.add_parser("dcp-to-ds", help="our checkpoint -> DeepSpeed's layout (DeepSpeed resumes it)")
+    sub.add_argument("checkpoint", help="an engine save_dir / tag, a training.save directory or one checkpoint")
+    sub.add_argument("out", help="new DeepSpeed save_dir (latest + global_stepN)")
+    sub.add_argument("--zero-stage", type=int, required=True, help="the ZeRO stage DeepSpeed resumes with")
+    sub.add_argument("--world-size", type=int, required=True, help="the data-parallel ranks DeepSpeed resumes on")
+    sub.set_defaults(run=dcp_to_ds)
     return parser.parse_args(argv)
 
 
