@@ -147,6 +147,7 @@ def test_every_enum_value_reads_as_written_from_files_and_overrides(tmp_path):
         ("data.dataset", "json"): ["data.data_path=d.json"],
         ("training.load_format", "hf"): ["training.load=ckpt"],
         ("training.load_format", "dcp"): ["training.load=ckpt"],
+        ("training.load_format", "deepspeed"): ["training.load=ckpt"],
     }
     for key, choices in keys:
         for choice in choices:
