@@ -1,7 +1,7 @@
 """A DeepSpeed-API script that saves and resumes: tests/test_ds_checkpoint.py runs it on both backends.
 
     torchrun --nproc_per_node W tests/ds_checkpoint_script.py --backend deepspeed|ds_compat --phase train|resume
-        --zero 0,2,3 --save_dir DIR --out result.json
+        [--zero 0,1,2,3] [--dtype fp32|bf16] --save_dir DIR --out result.json
 
 `train` trains tests/ds_api_script.py's tiny LM for --steps optimizer steps from scratch and saves a checkpoint per
 ZeRO stage under DIR/zero<Z> with a client state; `resume` builds a fresh engine, loads that checkpoint, checks the
@@ -31,8 +31,8 @@ from ds_api_script import TinyLM, Tokens  # noqa: E402
 CLIENT_STATE = {"note": "from the client", "values": [1, 2, 3]}
 
 
-def ds_config(zero: int, accumulation: int, micro: int) -> dict:
-    return {
+def ds_config(zero: int, accumulation: int, micro: int, dtype: str) -> dict:
+    config = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 1.0,
@@ -45,13 +45,17 @@ def ds_config(zero: int, accumulation: int, micro: int) -> dict:
         "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 15}},
         "steps_per_print": 1000,
     }
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=("deepspeed", "ds_compat"), required=True)
     parser.add_argument("--phase", choices=("train", "resume"), required=True)
-    parser.add_argument("--zero", default="0,2,3")
+    parser.add_argument("--zero", default="0,1,2,3")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--global_batch", type=int, default=8)
     parser.add_argument("--micro", type=int, default=2)
@@ -67,7 +71,7 @@ def main() -> None:
     for zero in (int(z) for z in args.zero.split(",")):
         torch.manual_seed(1234)
         model = TinyLM()
-        config = ds_config(zero, accumulation, args.micro)
+        config = ds_config(zero, accumulation, args.micro, args.dtype)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         save_dir = os.path.join(args.save_dir, f"zero{zero}")
         result: dict = {}
