@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import REPO, clean_env, torchrun
 
+from glm45v_fsdp.checkpoint.dcp import read_model_tensors
 from glm45v_fsdp.checkpoint.deepspeed import describe, locate, read_deepspeed
 from glm45v_fsdp.errors import UserError
 
@@ -94,6 +95,28 @@ def test_reader_consolidates_every_stage_alike(deepspeed_runs):
     assert (info["zero_stage"], info["world_size"], info["dtype"], info["global_steps"]) == (3, 2, "float32", 10)
     assert info["parameters"] == 28 and len(info["files"]) == 4
     assert describe(saves / "zero0")["zero_stage"] == 0
+
+
+def test_a_model_or_optimizer_that_does_not_fit_is_refused(deepspeed_runs):
+    """Strict names (with the HF loader's prefix hint) and Adam moments only onto Adam: clear errors, nothing
+    loaded."""
+    from ds_api_script import TinyLM
+
+    from glm45v_fsdp.checkpoint.deepspeed import load_into
+
+    saves, _, _ = deepspeed_runs
+    state = read_deepspeed(saves / "zero2")
+    wrapped = torch.nn.Module()
+    wrapped.inner = TinyLM()
+    with pytest.raises(UserError, match="lack the prefix 'inner.'.*Nothing was loaded"):
+        load_into(wrapped, None, state)
+    model = TinyLM()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(UserError, match="optimizer is torch.optim.SGD.*training.no_load_optim=true"):
+        load_into(model, torch.optim.SGD(model.parameters(), lr=0.1), state)
+    assert any(not torch.equal(before[n], t) for n, t in model.state_dict().items())  # the weights came first
+    load_into(model, torch.optim.AdamW(model.parameters()), state)
+    assert all(torch.equal(t, state.weights[n]) for n, t in model.state_dict().items())
 
 
 def test_reader_needs_no_deepspeed(deepspeed_runs):
@@ -187,6 +210,9 @@ def check_convert(saves: Path, tmp_path: Path, capsys) -> None:
     masters = read_deepspeed(saves, with_optimizer=False).weights
     assert set(exported) == set(masters)
     assert all(torch.equal(exported[name], masters[name]) for name in masters)
+    assert convert(["ds-to-dcp", str(saves), str(tmp_path / "dcp"), "--config", str(config)]) == 0
+    weights = read_model_tensors(tmp_path / "dcp")
+    assert set(weights) == set(masters) and all(torch.equal(weights[n], masters[n]) for n in masters)
 
 
 def test_deepspeed_resumes_our_checkpoints(tmp_path):

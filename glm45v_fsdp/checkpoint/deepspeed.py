@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from glm45v_fsdp.checkpoint.layout import compare_keys, describe_diff
 from glm45v_fsdp.errors import UserError
 
 LATEST_FILE = "latest"
@@ -357,16 +358,13 @@ def load_into(
     )
 
     expected = get_model_state_dict(model)
-    missing = sorted(set(expected) - set(state.weights))
-    unexpected = sorted(set(state.weights) - set(expected))
-    misshapen = sorted(
-        n for n in set(expected) & set(state.weights) if tuple(expected[n].shape) != tuple(state.weights[n].shape)
+    diff = compare_keys(
+        {n: tuple(t.shape) for n, t in expected.items()}, {n: tuple(t.shape) for n, t in state.weights.items()}
     )
-    if misshapen or (strict and (missing or unexpected)):
+    if diff.mismatched or (strict and not diff.ok):
         raise UserError(
-            f"The DeepSpeed checkpoint '{state.layout.tag_dir}' does not fit the model: missing {missing[:10]}, "
-            f"unexpected {unexpected[:10]}, shape mismatch {misshapen[:10]} ({len(missing)} / {len(unexpected)} / "
-            f"{len(misshapen)} in all). Load it into the model that wrote it (the same class and config)."
+            f"The DeepSpeed checkpoint '{state.layout.tag_dir}' does not fit the model: {describe_diff(diff)} Nothing "
+            "was loaded. Load it into the model that wrote it (the same class and config)."
         )
     weights = {name: state.weights[name] for name in expected if name in state.weights}
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
