@@ -27,24 +27,15 @@ else:
     import ds_compat as deepspeed
 
 from ds_api_script import TinyLM, Tokens  # noqa: E402
+from ds_api_script import ds_config as api_config  # noqa: E402
 
 CLIENT_STATE = {"note": "from the client", "values": [1, 2, 3]}
 
 
 def ds_config(zero: int, accumulation: int, micro: int, dtype: str) -> dict:
-    config = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": zero},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True},
-        },
-        # warmup past the save: the resumed schedule must continue it, not restart it
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 15}},
-        "steps_per_print": 1000,
-    }
+    """ds_api_script's config, warming up past the save (the resumed schedule must continue, not restart)."""
+    config = api_config(zero, accumulation, micro)
+    config["scheduler"]["params"]["warmup_num_steps"] = 15
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     return config

@@ -256,17 +256,22 @@ def dcp_to_hf(args: argparse.Namespace) -> int:
                 f"Pass --config with the model settings the checkpoint was trained with."
             )
         dcp.load({MODEL_KEY: model.state_dict()}, checkpoint_id=str(checkpoint))
-        name_or_path = config.model.name_or_path
-        export_hf(
-            model,
-            out,
-            hf_config,
-            tokenizer=load_tokenizer(name_or_path) if _has_tokenizer(name_or_path) else None,
-            image_processor=load_image_processor(name_or_path, hf_config.vision_config),
-            dtype=DTYPES[args.dtype] if args.dtype else None,
-        )
+        _export(model, out, hf_config, config, args.dtype)
     print(f"dcp-to-hf: {checkpoint} -> {out} (model from {origin})")
     return 0
+
+
+def _export(model: nn.Module, out: Path, hf_config: object, config: Config, dtype: str | None) -> None:
+    """The model as an HF directory, with the config's tokenizer and image processor when it has them."""
+    name_or_path = config.model.name_or_path
+    export_hf(
+        model,
+        out,
+        hf_config,
+        tokenizer=load_tokenizer(name_or_path) if _has_tokenizer(name_or_path) else None,
+        image_processor=load_image_processor(name_or_path, hf_config.vision_config),
+        dtype=DTYPES[dtype] if dtype else None,
+    )
 
 
 def _deepspeed_model(args: argparse.Namespace, what: str) -> tuple[nn.Module, object, Config, str, Path]:
@@ -286,15 +291,7 @@ def ds_to_hf(args: argparse.Namespace) -> int:
     _fresh_output(out, "ds-to-hf OUT")
     with single_process_group():
         model, hf_config, config, origin, tag_dir = _deepspeed_model(args, "ds-to-hf DS_DIR")
-        name_or_path = config.model.name_or_path
-        export_hf(
-            model,
-            out,
-            hf_config,
-            tokenizer=load_tokenizer(name_or_path) if _has_tokenizer(name_or_path) else None,
-            image_processor=load_image_processor(name_or_path, hf_config.vision_config),
-            dtype=DTYPES[args.dtype] if args.dtype else None,
-        )
+        _export(model, out, hf_config, config, args.dtype)
     print(f"ds-to-hf: {tag_dir} -> {out} (model from {origin})")
     return 0
 
