@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from conftest import REPO, clean_env, torchrun
 
 from glm45v_fsdp.checkpoint.dcp import read_model_tensors
 from glm45v_fsdp.checkpoint.deepspeed import describe, locate, read_deepspeed
+from glm45v_fsdp.checkpoint.layout import detect_expert_layout, model_to_hub_tensors
 from glm45v_fsdp.errors import UserError
 
 SCRIPT = str(REPO / "tests" / "ds_checkpoint_script.py")
@@ -213,6 +216,33 @@ def check_convert(saves: Path, tmp_path: Path, capsys) -> None:
     assert convert(["ds-to-dcp", str(saves), str(tmp_path / "dcp"), "--config", str(config)]) == 0
     weights = read_model_tensors(tmp_path / "dcp")
     assert set(weights) == set(masters) and all(torch.equal(weights[n], masters[n]) for n in masters)
+    # the same run as transformers 4.x would have saved it (experts per expert): mapped onto the stacked experts
+    per_expert = per_expert_copy(saves, tmp_path / "per_expert")
+    assert detect_expert_layout(read_deepspeed(per_expert).weights) == "per-expert"
+    assert convert(["ds-to-hf", str(per_expert), str(tmp_path / "hf2"), "--config", str(config)]) == 0
+    exported = Glm4vMoeForConditionalGeneration.from_pretrained(tmp_path / "hf2").state_dict()
+    assert set(exported) == set(masters) and all(torch.equal(exported[n], masters[n]) for n in masters)
+
+
+def per_expert_copy(saves: Path, out: Path) -> Path:
+    """A copy of a stage-2 DeepSpeed checkpoint whose module and param_shapes name the routed experts one by one
+    (in the flattening order of the stacked tensors, so the partitions stay valid)."""
+    shutil.copytree(saves, out)
+    path = locate(out).tag_dir / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)
+
+    def split(mapping: dict) -> OrderedDict:
+        result = OrderedDict()
+        for name, value in mapping.items():
+            tensor = value if isinstance(value, torch.Tensor) else torch.empty(value)
+            for key, piece in model_to_hub_tensors(name, tensor):
+                result[key] = piece.clone() if isinstance(value, torch.Tensor) else piece.shape
+        return result
+
+    states["module"] = split(states["module"])
+    states["param_shapes"] = [split(group) for group in states["param_shapes"]]
+    torch.save(states, path)
+    return out
 
 
 def test_deepspeed_resumes_our_checkpoints(tmp_path):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from glm45v_fsdp.checkpoint.layout import compare_keys, describe_diff
+from glm45v_fsdp.checkpoint.layout import checkpoint_pieces, compare_keys, describe_diff, detect_expert_layout
 from glm45v_fsdp.errors import UserError
 
 LATEST_FILE = "latest"
@@ -344,6 +344,26 @@ def describe(path: str | Path, tag: str | None = None) -> dict[str, Any]:
     }
 
 
+def _stacked(tensors: dict[str, torch.Tensor], model_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Tensors of a per-expert checkpoint (a DeepSpeed run of transformers 4.x: `experts.{e}.gate_proj.weight`, ...)
+    assembled into the model's stacked experts, as the HF loader maps them (checkpoint/layout.py); others as they
+    are."""
+    if detect_expert_layout(tensors) != "per-expert":
+        return tensors
+    result = dict(tensors)
+    for name, shape in model_shapes.items():
+        pieces = checkpoint_pieces(name, shape, "per-expert")
+        if pieces[0].key == name or not all(piece.key in tensors for piece in pieces):
+            continue  # not an expert stack, or incomplete: the key comparison names what is missing
+        full = torch.empty(shape, dtype=tensors[pieces[0].key].dtype)
+        for piece in pieces:
+            box = full[tuple(slice(o, o + n) for o, n in zip(piece.offset, piece.size))]
+            box.copy_(tensors[piece.key].unsqueeze(0) if piece.squeeze else tensors[piece.key])
+            del result[piece.key]
+        result[name] = full
+    return result
+
+
 def load_into(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: DeepSpeedState, strict: bool = True
 ) -> None:
@@ -358,15 +378,19 @@ def load_into(
     )
 
     expected = get_model_state_dict(model)
-    diff = compare_keys(
-        {n: tuple(t.shape) for n, t in expected.items()}, {n: tuple(t.shape) for n, t in state.weights.items()}
-    )
+    model_shapes = {name: tuple(tensor.shape) for name, tensor in expected.items()}
+    weights = _stacked(state.weights, model_shapes)
+    moments = {
+        key: _stacked({name: slots[key] for name, slots in state.moments.items()}, model_shapes)
+        for key in ("exp_avg", "exp_avg_sq")
+    } if state.moments else {}  # fmt: skip
+    diff = compare_keys(model_shapes, {name: tuple(tensor.shape) for name, tensor in weights.items()})
     if diff.mismatched or (strict and not diff.ok):
         raise UserError(
             f"The DeepSpeed checkpoint '{state.layout.tag_dir}' does not fit the model: {describe_diff(diff)} Nothing "
             "was loaded. Load it into the model that wrote it (the same class and config)."
         )
-    weights = {name: state.weights[name] for name in expected if name in state.weights}
+    weights = {name: weights[name] for name in expected if name in weights}
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
     if optimizer is None or not state.moments:
         return
@@ -382,7 +406,7 @@ def load_into(
         for group in optimizer.param_groups
     ]
     wanted = [name for group in groups for name in group["params"]]
-    lacking = [name for name in wanted if name not in state.moments]
+    lacking = [name for name in wanted if name not in moments["exp_avg"]]
     if lacking:
         raise UserError(
             f"The DeepSpeed checkpoint '{state.layout.tag_dir}' has no optimizer state for {lacking[:10]} "
@@ -391,7 +415,7 @@ def load_into(
         )
     step = torch.tensor(float(state.step), dtype=torch.float32)
     full = {
-        "state": {name: {"step": step.clone(), **state.moments[name]} for name in wanted},
+        "state": {name: {"step": step.clone(), **{key: moments[key][name] for key in moments}} for name in wanted},
         "param_groups": groups,
     }
     set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
