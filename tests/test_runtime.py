@@ -28,6 +28,7 @@ from glm45v_fsdp.runtime import (
     set_seed,
     shutdown,
 )
+from glm45v_fsdp.runtime.device import _cpu_fused_adamw_runs
 from glm45v_fsdp.runtime.memory import _ORIGINAL_RESIZE
 
 MiB = 2**20
@@ -306,14 +307,17 @@ def test_unusable_device_requests_are_user_errors():
 
 
 def test_cpu_fused_adamw_support_matches_torch():
+    """The probe is cached per process; the npu fixture renames torch's privateuse1 backend for good, after which
+    torch's CPU fused AdamW refuses to run: probe afresh, as a process that imported torch_npu would."""
+    _cpu_fused_adamw_runs.cache_clear()
     param = torch.nn.Parameter(torch.ones(3))
     param.grad = torch.ones(3)
+    error = None
     try:
         torch.optim.AdamW([param], fused=True).step()
-        runs = True
-    except (RuntimeError, NotImplementedError):
-        runs = False
-    assert select_device("cpu").has_fused_adamw() is runs
+    except (RuntimeError, NotImplementedError) as raised:
+        error = raised
+    assert select_device("cpu").has_fused_adamw() is (error is None), error
 
 
 # ---------------------------------------------------------------------------------------------------------------
