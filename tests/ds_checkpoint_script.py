@@ -18,6 +18,7 @@ import os
 import sys
 
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,6 +31,20 @@ from ds_api_script import TinyLM, Tokens  # noqa: E402
 from ds_api_script import ds_config as api_config  # noqa: E402
 
 CLIENT_STATE = {"note": "from the client", "values": [1, 2, 3]}
+
+
+class OddLM(nn.Module):
+    """ds_api_script's tiny LM plus a 7-element parameter: 29575 elements in all, so DeepSpeed pads its partitions
+    (stages 1-2: the flat group to a multiple of 2 x world size; stage 3: that parameter to a multiple of the world
+    size) and the reader and writer must place the padding as DeepSpeed does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TinyLM()
+        self.odd = nn.Parameter(torch.linspace(-1.0, 1.0, 7))
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.lm(batch) + 0.1 * self.odd.square().sum()
 
 
 def ds_config(zero: int, accumulation: int, micro: int, dtype: str) -> dict:
@@ -61,7 +76,7 @@ def main() -> None:
     results = {}
     for zero in (int(z) for z in args.zero.split(",")):
         torch.manual_seed(1234)
-        model = TinyLM()
+        model = OddLM()
         config = ds_config(zero, accumulation, args.micro, args.dtype)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         save_dir = os.path.join(args.save_dir, f"zero{zero}")

@@ -87,7 +87,7 @@ def test_reader_consolidates_every_stage_alike(deepspeed_runs):
     saves, _, _ = deepspeed_runs
     stage2 = read_deepspeed(saves / "zero2")
     module = torch.load(stage2.layout.tag_dir / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    assert set(stage2.weights) == set(module) and len(stage2.moments) == 28
+    assert set(stage2.weights) == set(module) and len(stage2.moments) == 29
     assert all(torch.equal(stage2.weights[name], module[name]) for name in module)
     assert all(stage2.moments[n]["exp_avg"].shape == module[n].shape for n in stage2.moments)
     assert stage2.step == 10.0 and stage2.global_steps == 10
@@ -97,24 +97,24 @@ def test_reader_consolidates_every_stage_alike(deepspeed_runs):
     assert all(stage3.weights[n].shape == module[n].shape for n in module)
     info = describe(saves / "zero3")
     assert (info["zero_stage"], info["world_size"], info["dtype"], info["global_steps"]) == (3, 2, "float32", 10)
-    assert info["parameters"] == 28 and len(info["files"]) == 4
+    assert info["parameters"] == 29 and len(info["files"]) == 4
     assert describe(saves / "zero0")["zero_stage"] == 0
 
 
 def test_a_model_or_optimizer_that_does_not_fit_is_refused(deepspeed_runs):
     """Strict names (with the HF loader's prefix hint) and Adam moments only onto Adam: clear errors, nothing
     loaded."""
-    from ds_api_script import TinyLM
+    from ds_checkpoint_script import OddLM
 
     from glm45v_fsdp.checkpoint.deepspeed import load_into
 
     saves, _, _ = deepspeed_runs
     state = read_deepspeed(saves / "zero2")
     wrapped = torch.nn.Module()
-    wrapped.inner = TinyLM()
+    wrapped.inner = OddLM()
     with pytest.raises(UserError, match="lack the prefix 'inner.'.*Nothing was loaded"):
         load_into(wrapped, None, state)
-    model = TinyLM()
+    model = OddLM()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     with pytest.raises(UserError, match="optimizer is torch.optim.SGD.*training.no_load_optim=true"):
         load_into(model, torch.optim.SGD(model.parameters(), lr=0.1), state)
@@ -133,7 +133,7 @@ def test_reader_needs_no_deepspeed(deepspeed_runs):
     )
     result = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["28", "28", "10.0"]
+    assert result.stdout.split() == ["29", "29", "10.0"]
 
 
 def test_damaged_checkpoints_are_clear_errors(deepspeed_runs, tmp_path):
