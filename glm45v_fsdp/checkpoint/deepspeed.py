@@ -59,8 +59,8 @@ class _StandIn:
 
 
 def _stand_in(module: str, name: str, base: type = _StandIn) -> type:
-    cls = type(name, (base,), {"__module__": module, "__qualname__": name})
-    return cls
+    """A class named like DeepSpeed's `module.name`, for torch's weights-only unpickler to build instead."""
+    return type(name, (base,), {"__module__": module, "__qualname__": name})
 
 
 class _ZeroStage(int):
@@ -251,7 +251,8 @@ def _stage0_optimizer(head: dict[str, Any], module: dict[str, torch.Tensor]) -> 
     """Stage 0: torch's optimizer state dict (fp32) or DeepSpeed's unfused fp16/bf16 wrapper around it; parameters by
     index in the model's parameter order (the order DeepSpeed's optimizer was given them)."""
     optimizer = head.get("optimizer") or {}
-    masters = optimizer.get("fp32_groups")
+    masters = optimizer.get("fp32_groups")  # the unfused fp16 / bf16 wrapper's fp32 copies, per group
+    flat_masters = [tensor for group in masters for tensor in group] if masters is not None else None
     torch_state = optimizer.get("optimizer_state_dict", optimizer)
     groups = torch_state.get("param_groups", [])
     buffers = set(head.get("buffer_names") or [])
@@ -267,8 +268,7 @@ def _stage0_optimizer(head: dict[str, Any], module: dict[str, torch.Tensor]) -> 
                 "(load_module_only=True / training.no_load_optim=true)."
             )
         slot = torch_state.get("state", {}).get(index)
-        if masters is not None:
-            flat_masters = [t for group in masters for t in group]
+        if flat_masters is not None:
             weights[name] = flat_masters[position].float().clone()
         if slot:
             step = float(slot["step"])
