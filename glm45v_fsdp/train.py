@@ -93,7 +93,7 @@ def run(argv: list[str]) -> dict:
     """Parse, validate, build, resume (DCP), train, export (training.save_hf); returns the end-of-run summary."""
     from glm45v_fsdp.builders import build_loader, build_model, build_runtime, build_training_data
     from glm45v_fsdp.checkpoint.dcp import check_save_targets, resolve_load
-    from glm45v_fsdp.checkpoint.deepspeed import consumed_samples
+    from glm45v_fsdp.checkpoint.deepspeed import read_deepspeed
     from glm45v_fsdp.checkpoint.state import data_start_step, read_trainer_state
     from glm45v_fsdp.config import load_config
     from glm45v_fsdp.log import get_logger, setup_logging
@@ -129,17 +129,19 @@ def run(argv: list[str]) -> dict:
         model, hf_config = build_model(config, runtime, hf_config)
         training = config.training
         global_batch = training.micro_batch_size * training.gradient_accumulation_steps * runtime.dp_size
-        start_step = 0
+        start_step, deepspeed_state = 0, None
         if resume is not None and resume.format == "dcp":
             start_step = data_start_step(read_trainer_state(resume.path), global_batch)
         elif resume is not None:
-            start_step = data_start_step({"consumed_samples": consumed_samples(resume.path)}, global_batch)
+            deepspeed_state = read_deepspeed(resume.path, with_optimizer=not training.no_load_optim)
+            samples = int(deepspeed_state.model_states.get("global_samples") or 0)
+            start_step = data_start_step({"consumed_samples": samples}, global_batch)
         loader = build_loader(config, runtime, data, start_step=start_step)
         trainer = Trainer(config, runtime, model, loader, recipe=ds_run.recipe if ds_run is not None else None)
         if resume is not None and resume.format == "dcp":
             trainer.resume(resume.path)
-        elif resume is not None:
-            trainer.resume_deepspeed(resume.path)
+        elif deepspeed_state is not None:
+            trainer.resume_deepspeed(deepspeed_state)
         summary = trainer.run()
         if training.save_hf:
             export_final_weights(config, model, hf_config, data)

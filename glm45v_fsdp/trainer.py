@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from glm45v_fsdp.builders import Runtime
 from glm45v_fsdp.checkpoint.dcp import Checkpointer, load_checkpoint
-from glm45v_fsdp.checkpoint.deepspeed import load_into, read_deepspeed
+from glm45v_fsdp.checkpoint.deepspeed import DeepSpeedState, load_into
 from glm45v_fsdp.checkpoint.layout import describe_diff
 from glm45v_fsdp.checkpoint.state import capture_rng, read_trainer_state, restore_rng
 from glm45v_fsdp.config import Config, dump_yaml
@@ -149,12 +149,12 @@ class Trainer:
             "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
-    def resume_deepspeed(self, tag_dir: Path) -> None:
-        """Continue a run the real DeepSpeed saved (any ZeRO stage and world size): weights, the Adam moments and
-        step (unless training.no_load_optim), the schedule's position and the counters. The loader must already
-        start at the checkpoint's data position (train.py builds it from DeepSpeed's global_samples)."""
+    def resume_deepspeed(self, state: DeepSpeedState) -> None:
+        """Continue a run the real DeepSpeed saved (any ZeRO stage and world size; read by train.py with
+        read_deepspeed): weights, the Adam moments and step (unless training.no_load_optim), the schedule's position
+        and the counters. The loader must already start at the checkpoint's data position (DeepSpeed's
+        global_samples)."""
         training = self.config.training
-        state = read_deepspeed(tag_dir, with_optimizer=not training.no_load_optim)
         load_into(self.model, None if training.no_load_optim else self.optimizer, state, strict=training.load_strict)
         saved = state.model_states.get("lr_scheduler") or {}
         self.step = state.global_steps
@@ -167,7 +167,7 @@ class Trainer:
         self.consumed_samples = int(state.model_states.get("global_samples") or 0)
         self.log.info(
             "resume: DeepSpeed checkpoint %s (ZeRO %d, %d rank(s), global step %d); optimizer %s",
-            tag_dir,
+            state.layout.tag_dir,
             state.layout.stage,
             state.layout.world_size,
             self.step,
@@ -248,8 +248,9 @@ class Trainer:
         """Every rank's per-step figures (step ms, peak memory, data ms) and the MoE routing counts summed over the
         ranks, in one all-gather."""
         device = self.runtime.torch_device
-        counts = moe_counts.flatten().tolist() if moe_counts is not None else []
-        mine = torch.tensor([*figures, *counts], dtype=torch.float64, device=device)
+        mine = torch.tensor(figures, dtype=torch.float64, device=device)
+        if moe_counts is not None:
+            mine = torch.cat([mine, moe_counts.flatten().to(device, torch.float64)])
         world = self.runtime.env.world_size
         gathered = [mine]
         if world > 1:

@@ -133,8 +133,10 @@ def resolve_load(training: TrainingConfig) -> LoadSource | None:
             f"checkpoints, or set training.load=null to initialise from scratch."
         )
     deepspeed_tag = tag_dir_of(path)
-    if training.load_format == "deepspeed" or (training.load_format == "auto" and deepspeed_tag is not None):
-        return LoadSource("deepspeed", locate(path).tag_dir)
+    if training.load_format == "deepspeed" and deepspeed_tag is None:
+        locate(path)  # the error that says what a DeepSpeed checkpoint directory holds
+    if deepspeed_tag is not None and training.load_format in ("auto", "deepspeed"):
+        return LoadSource("deepspeed", deepspeed_tag)
     fmt = detect_format(path) if training.load_format == "auto" else training.load_format
     if fmt == "hf":
         return LoadSource("hf", path)

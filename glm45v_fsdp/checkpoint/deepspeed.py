@@ -99,7 +99,8 @@ class DeepSpeedLayout:
     world_size: int
     bf16_prefix: bool
     model_files: list[Path]  # stage 3: one per rank, in rank order; else the one mp_rank_00 file
-    optim_files: list[Path] = field(default_factory=list)  # in rank order
+    optim_files: list[Path]  # in rank order; none at stage 0
+    head: dict[str, Any] = field(repr=False)  # the first model-states file, read once
 
 
 def tag_dir_of(path: str | Path, tag: str | None = None) -> Path | None:
@@ -133,19 +134,20 @@ def locate(path: str | Path, tag: str | None = None) -> DeepSpeedLayout:
         model_files = [tag_dir / "mp_rank_00_model_states.pt"]
     head = load_file(model_files[0])
     world = int(head["dp_world_size"])
-    if optim:
-        prefix = optim[0][1]
-        optim_files = [tag_dir / f"{'bf16_' if prefix else ''}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in
-                       range(world)]  # fmt: skip
-        missing = [p.name for p in optim_files + (model_files if stage3 else []) if not p.is_file()]
-        if missing:
-            raise UserError(
-                f"The DeepSpeed checkpoint '{tag_dir}' was written by {world} ranks but lacks {missing}: it is "
-                "incomplete. Use an earlier tag."
-            )
-        stage = int(load_file(optim_files[0])["optimizer_state_dict"].get("zero_stage", 3 if stage3 else 1))
-        return DeepSpeedLayout(tag_dir, stage, world, prefix, model_files, optim_files)
-    return DeepSpeedLayout(tag_dir, 0, world, False, model_files)
+    if not optim:
+        return DeepSpeedLayout(tag_dir, 0, world, False, model_files, [], head)
+    prefix = optim[0][1]
+    optim_files = [tag_dir / f"{'bf16_' if prefix else ''}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in
+                   range(world)]  # fmt: skip
+    missing = [p.name for p in optim_files + (model_files if stage3 else []) if not p.is_file()]
+    if missing:
+        raise UserError(
+            f"The DeepSpeed checkpoint '{tag_dir}' was written by {world} ranks but lacks {missing}: it is "
+            "incomplete. Use an earlier tag."
+        )
+    # DeepSpeed writes frozen_param_shapes from stage 2 on (None at stage 1): the stage without reading a partition
+    stage = 3 if stage3 else 2 if head.get("frozen_param_shapes") is not None else 1
+    return DeepSpeedLayout(tag_dir, stage, world, prefix, model_files, optim_files, head)
 
 
 @dataclass
@@ -279,8 +281,8 @@ def _stage0_optimizer(head: dict[str, Any], module: dict[str, torch.Tensor]) -> 
 def read_deepspeed(path: str | Path, tag: str | None = None, with_optimizer: bool = True) -> DeepSpeedState:
     """Consolidate the DeepSpeed checkpoint at `path` (save dir or tag dir; `tag` picks one) into full tensors."""
     layout = locate(path, tag)
-    model_files = [load_file(p) for p in layout.model_files]
-    head = model_files[0]
+    head = layout.head
+    model_files = [head, *(load_file(p) for p in layout.model_files[1:])]
     module = head["module"]
     weights = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in module.items()}
     if layout.stage == 3:
@@ -313,16 +315,10 @@ def read_deepspeed(path: str | Path, tag: str | None = None, with_optimizer: boo
     return DeepSpeedState(layout, weights, moments, step, hyperparameters, states, loss_scale)
 
 
-def consumed_samples(tag_dir: Path) -> int:
-    """The samples a DeepSpeed run had trained on at its checkpoint (its global_samples)."""
-    head = load_file(locate(tag_dir).model_files[0])
-    return int(head.get("global_samples") or 0)
-
-
 def describe(path: str | Path, tag: str | None = None) -> dict[str, Any]:
     """What `convert inspect` prints about a DeepSpeed checkpoint."""
     layout = locate(path, tag)
-    head = load_file(layout.model_files[0])
+    head = layout.head
     module = head["module"]
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in module.values() if t.is_floating_point()})
     shapes = head.get("param_shapes")

@@ -13,6 +13,7 @@ class path, so DeepSpeed unpickles its own class (fp32 / bf16: scale 1.0, static
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import types
@@ -62,17 +63,12 @@ def _pickled_as_deepspeed(cls: type):
     records DeepSpeed's class path; only when DeepSpeed's own module is absent."""
     module = types.ModuleType(_SCALER_MODULE)
     module.LossScaler = cls
-    saved = {name: sys.modules.get(name) for name in (_SCALER_MODULE,)}
     cls.__module__, cls.__qualname__ = _SCALER_MODULE, "LossScaler"
     sys.modules[_SCALER_MODULE] = module
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = value
+        sys.modules.pop(_SCALER_MODULE, None)
 
 
 def loss_scaler(scale: float = 1.0) -> tuple[Any, Any]:
@@ -80,14 +76,9 @@ def loss_scaler(scale: float = 1.0) -> tuple[Any, Any]:
     try:
         from deepspeed.runtime.fp16.loss_scaler import LossScaler  # noqa: PLC0415  (optional: the real class)
 
-        return LossScaler(scale), _no_context()
+        return LossScaler(scale), contextlib.nullcontext()
     except ImportError:
         return _LossScalerStandIn(scale), _pickled_as_deepspeed(_LossScalerStandIn)
-
-
-@contextmanager
-def _no_context():
-    yield
 
 
 def _group_params(state: FullState, group: int) -> list[tuple[str, torch.Tensor]]:
@@ -245,33 +236,32 @@ def write_deepspeed(state: FullState, out: str | Path, stage: int, world: int) -
             "dcp-to-ds: the ds_config enables fp16; writing DeepSpeed's fp16 loss-scaler state is not supported yet. "
             "Convert an fp32 or bf16 run."
         )
+    if stage == 0 and precision != "fp32":
+        raise UserError("dcp-to-ds: ZeRO stage 0 is written for fp32 runs only (bf16 needs DeepSpeed's fp16 wrapper).")
     tag = f"global_step{state.global_steps}"
     tag_dir = Path(out) / tag
     tag_dir.mkdir(parents=True)
     prefix = "bf16_" if precision == "bf16" else ""
     trainable = {name for group in state.groups for name in group}
-    if precision == "bf16":  # DeepSpeed's module holds its parameters in the training dtype, buffers as they are
-        state.model = {n: t.to(torch.bfloat16) if n in trainable else t for n, t in state.model.items()}
+    # DeepSpeed's module holds its parameters in the training dtype (buffers as they are); the fp32 masters of the
+    # partitions come from state.model, untouched
+    module = {
+        name: tensor.to(torch.bfloat16) if precision == "bf16" and name in trainable else tensor
+        for name, tensor in state.model.items()
+    }
     common = _common(state, stage, world)
     scaler, context = loss_scaler()
     with context:
         if stage == 0:
-            if precision != "fp32":
-                raise UserError(
-                    "dcp-to-ds: ZeRO stage 0 is written for fp32 runs only (bf16 needs DeepSpeed's fp16 wrapper)."
-                )
-            states = {"module": state.model, **common, "optimizer": _stage0(state)}
+            states = {"module": module, **common, "optimizer": _stage0(state)}
             torch.save(states, tag_dir / "mp_rank_00_model_states.pt")
         elif stage in (1, 2):
-            torch.save({"module": state.model, **common}, tag_dir / "mp_rank_00_model_states.pt")
+            torch.save({"module": module, **common}, tag_dir / "mp_rank_00_model_states.pt")
             for rank, file in enumerate(_stage12_files(state, stage, world)):
                 file["optimizer_state_dict"]["loss_scaler"] = scaler
                 torch.save(file, tag_dir / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
         else:
-            module = {
-                name: torch.empty(0, dtype=tensor.dtype) if name in trainable else tensor
-                for name, tensor in state.model.items()
-            }
+            module = {name: torch.empty(0, dtype=t.dtype) if name in trainable else t for name, t in module.items()}
             for rank, file in enumerate(_stage3_files(state, world, scaler)):
                 torch.save({"module": module, **common}, tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
                 torch.save(file, tag_dir / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")

@@ -9,6 +9,7 @@ needs FSDP, so it is applied whenever `cpu_offload` is on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -129,6 +130,7 @@ def unit_groups(
     encloses: the root, gathered at the step's entry, holds it then. Modules nested in one another are never
     merged; a module matched by several patterns is taken once, by the first."""
 
+    @functools.cache
     def mib(name: str) -> float:
         return sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters()) / 2**20
 

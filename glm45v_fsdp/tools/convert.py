@@ -337,10 +337,11 @@ def _run_state(checkpoint: Path) -> dict[str, Any]:
 def dcp_to_ds(args: argparse.Namespace) -> int:
     path = Path(args.checkpoint).expanduser()
     latest = path / "latest"
-    if (path / ENGINE_STATE_FILE).is_file() or not latest.is_file():
-        checkpoint = path if (path / ENGINE_STATE_FILE).is_file() else pick_checkpoint(path, "dcp-to-ds CKPT")
-    else:
-        checkpoint = path / latest.read_text().strip()  # the engine's save_dir: DeepSpeed's `latest` names the tag
+    tag = path / latest.read_text().strip() if latest.is_file() else path
+    if (tag / ENGINE_STATE_FILE).is_file():  # the engine API's save_dir (its `latest` tag) or one tag
+        checkpoint = tag
+    else:  # a trainer checkpoint, or a training.save directory (its newest complete one)
+        checkpoint = pick_checkpoint(path, "dcp-to-ds CKPT")
     out = Path(args.out).expanduser()
     _fresh_output(out, "dcp-to-ds OUT")
     full = read_full_checkpoint(checkpoint)
