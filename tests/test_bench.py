@@ -255,7 +255,7 @@ def test_longest_bench_doubles_until_the_budget_and_judges_the_ratio(tmp_path):
 def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, monkeypatch):
     """Faked runs (no processes): the order rotates per round, each door's ratio is DeepSpeed ms / door ms per round,
     ZeRO-3 is judged against 1.6x and the others against 1.0x and 0.8 of the bare loop's rate, the trainer door gets
-    the worker's initial weights and ds_config, and the loss parity is reported per door."""
+    the worker's initial weights and ds_config, and the loss parity is reported per door; torch DDP's share of the bare rate is reported beside it."""
     from glm45v_fsdp.tools import bench, bench_deepspeed
 
     order, trainer_commands = [], []
@@ -284,7 +284,7 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
             return [], 1.0, 1.0
         backend, zero = argument(command, "backend"), int(argument(command, "zero"))
         order.append((zero, backend))
-        ms = 38.0 if backend == "bare" else speed[backend][zero]
+        ms = {"bare": 38.0, "ddp": 47.5}.get(backend) or speed[backend][zero]
         losses = [2.0, 1.9, 1.8] if backend == "deepspeed" else losses
         result = {"ms": [999.0] + [ms] * 5, "losses": losses, "peak_bytes_max": 2.0**20}
         Path(argument(command, "out")).write_text(json.dumps(result))
@@ -293,13 +293,14 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
     monkeypatch.setattr(bench_deepspeed, "execute", fake_execute)
     argv = ["deepspeed", "--zero", "1,3", "--steps", "6", "--warmup", "1", "--rounds", "2", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
-    assert order[:4] == [(0, "bare"), (1, "deepspeed"), (1, "ds_compat"), (1, "trainer")]
-    assert order[7:11] == [(0, "bare"), (1, "ds_compat"), (1, "trainer"), (1, "deepspeed")]
+    assert order[:5] == [(0, "bare"), (0, "ddp"), (1, "deepspeed"), (1, "ds_compat"), (1, "trainer")]
+    assert order[8:13] == [(0, "bare"), (0, "ddp"), (1, "ds_compat"), (1, "trainer"), (1, "deepspeed")]
     assert "data.shuffle=false" in trainer_commands[0] and "training.lr_scheduler=constant" in trainer_commands[0]
     rows = {r["zero"]: r for r in json.loads((tmp_path / "deepspeed.json").read_text())["rows"]}
     assert rows[1]["throughput_ratio"] == pytest.approx({"ds_compat": 1.25, "trainer": 1.0})
     assert rows[1]["ratio_per_round"]["ds_compat"] == [1.25, 1.25]
-    assert rows[1]["bare_rate_ratio"] == pytest.approx({"ds_compat": 0.95, "trainer": 0.76})
+    assert rows[1]["bare_rate_ratio"] == pytest.approx({"deepspeed": 0.76, "ds_compat": 0.95, "trainer": 0.76})
+    assert rows[1]["ddp_bare_rate_ratio"] == pytest.approx(0.8)  # DDP's share: the yardstick beside the goal
     assert rows[1]["pass"] == {"ds_compat": True, "trainer": False}  # the trainer is below 0.8 of the bare rate
     assert rows[3]["throughput_ratio"]["ds_compat"] == pytest.approx(1.5)
     assert rows[3]["pass"] == {"ds_compat": False, "trainer": True}  # ZeRO-3: 1.5x < 1.6x, 1.71x; no bare goal

@@ -5,7 +5,9 @@ The workload is transformers' tiny GLM-4.5V with the same weights and batches ev
   - ds_compat: the same script with `import ds_compat as deepspeed` (the engine API door);
   - trainer: our trainer behind `--deepspeed ds_config.json` (the same ds_config, the worker's initial weights loaded
     from an HF checkpoint, the same batches unshuffled);
-  - bare: the same step in one process without any backend, once per dtype and round (the per-rank rate to reach).
+  - bare: the same step in one process without any backend, once per dtype and round (the per-rank rate to reach);
+  - ddp: the same step on every rank under torch DDP, once per dtype and round: what plain data parallelism reaches of
+    the bare rate on this machine (the yardstick for the bare-loop goal).
 For every (ZeRO stage, dtype) the three run back to back in an order rotated from round to round, so a drift in
 machine speed hits all; `--rounds` repeats the whole set. The figures per row: median ms/step of the steps after
 `--warmup` (per round, then the median over rounds), samples/s, each door's throughput ratio to DeepSpeed per round
@@ -96,12 +98,19 @@ def _mean_rel_err(ours: list[float], reference: list[float]) -> float:
     return statistics.fmean(abs(a - b) / (abs(b) + 1e-8) for a, b in zip(ours, reference))
 
 
-def row(zero: int, dtype: str, runs: dict[str, list[dict]], bare_ms: list[float], args: argparse.Namespace):
-    """One (stage, dtype): medians per backend and round, each door's ratio to DeepSpeed per round (and to the bare
-    loop's per-rank rate), the loss parity of the first round."""
+def row(
+    zero: int,
+    dtype: str,
+    runs: dict[str, list[dict]],
+    bare_ms: list[float],
+    ddp_ms: list[float],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One (stage, dtype): medians per backend and round, each door's ratio to DeepSpeed per round (and each
+    backend's share of the bare loop's per-rank rate, DDP's alongside), the loss parity of the first round."""
     ms = {b: [statistics.median(run["ms"][args.warmup :]) for run in runs[b]] for b in BACKENDS}
     ratios = {door: [ds / ours for ds, ours in zip(ms["deepspeed"], ms[door])] for door in DOORS}
-    bare = {door: [b / ours for b, ours in zip(bare_ms, ms[door])] for door in DOORS}
+    bare = {b: [one / ours for one, ours in zip(bare_ms, ms[b])] for b in BACKENDS}
     errors = {door: _mean_rel_err(runs[door][0]["losses"], runs["deepspeed"][0]["losses"]) for door in DOORS}
     goal = 1.6 if zero == 3 else 1.0
     result = {
@@ -116,7 +125,9 @@ def row(zero: int, dtype: str, runs: dict[str, list[dict]], bare_ms: list[float]
         "samples_per_s": {b: args.micro * args.ranks * 1000.0 / statistics.median(ms[b]) for b in BACKENDS},
         "throughput_ratio": {door: statistics.median(ratios[door]) for door in DOORS},
         "ratio_per_round": ratios,
-        "bare_rate_ratio": {door: statistics.median(bare[door]) for door in DOORS},
+        "bare_rate_ratio": {b: statistics.median(bare[b]) for b in BACKENDS},
+        "ddp_ms_per_step": statistics.median(ddp_ms),
+        "ddp_bare_rate_ratio": statistics.median(one / ddp for one, ddp in zip(bare_ms, ddp_ms)),
         "peak_mib": {b: max(run["peak_bytes_max"] or 0.0 for run in runs[b]) / 2**20 for b in BACKENDS},
         "loss_mean_rel_err": errors,
         "target": f"≥ {goal}× DeepSpeed" + (f", ≥ {BARE_GOAL} of the bare loop's rate" if zero in (1, 2) else ""),
@@ -140,10 +151,12 @@ def markdown(report: dict[str, Any]) -> str:
         "leaves out fetching the batches, as the script builds them before its timed loop (in brackets: with the "
         "fetch, the trainer's `ms_per_iter`). Throughput ratio: "
         "DeepSpeed ms / door ms per round (> 1: faster than DeepSpeed); bare: the one-process loop's ms / door ms "
-        "(the door's per-rank rate as a share of the bare loop's).",
+        "(the door's per-rank rate as a share of the bare loop's; in brackets DeepSpeed's and torch DDP's, what "
+        "data parallelism itself reaches on this machine).",
         "",
         "| ZeRO | dtype | ms/step DeepSpeed · engine · trainer [with fetch] (bare loop) | engine / DeepSpeed "
-        "(rounds) | trainer / DeepSpeed (rounds) | share of bare rate engine · trainer | peak MiB/rank DeepSpeed · "
+        "(rounds) | trainer / DeepSpeed (rounds) | share of bare rate engine · trainer (DeepSpeed · DDP) | "
+        "peak MiB/rank DeepSpeed · "
         "engine · trainer | loss rel err engine · trainer | target | engine | trainer |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -155,7 +168,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['zero']} | {r['dtype']} | {ms['deepspeed']:.1f} · {ms['ds_compat']:.1f} · {ms['trainer']:.1f} "
             f"[{r['trainer_ms_with_data']:.1f}] ({r['bare_ms_per_step']:.1f}) | "
             f"{ratio['ds_compat']:.2f}× ({rounds['ds_compat']}) | "
-            f"{ratio['trainer']:.2f}× ({rounds['trainer']}) | {bare['ds_compat']:.2f} · {bare['trainer']:.2f} | "
+            f"{ratio['trainer']:.2f}× ({rounds['trainer']}) | {bare['ds_compat']:.2f} · {bare['trainer']:.2f} "
+            f"({bare['deepspeed']:.2f} · {r['ddp_bare_rate_ratio']:.2f}) | "
             f"{peak['deepspeed']:.1f} · {peak['ds_compat']:.1f} · "
             f"{peak['trainer']:.1f} | {err['ds_compat']:.1e} · {err['trainer']:.1e} | {r['target']} | "
             f"{'pass' if r['pass']['ds_compat'] else 'below'} | {'pass' if r['pass']['trainer'] else 'below'} |"
@@ -197,13 +211,14 @@ def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[tuple[int, str], dict[str, list[dict]]] = {
         (z, d): {b: [] for b in BACKENDS} for z in stages for d in dtypes
     }
-    bare: dict[str, list[float]] = {d: [] for d in dtypes}
+    references: dict[str, dict[str, list[float]]] = {r: {d: [] for d in dtypes} for r in ("bare", "ddp")}
     for round_index in range(args.rounds):
         for dtype in dtypes:
-            run_dir = args.out / "runs" / f"bare_{dtype}_r{round_index + 1}"
-            found = _run(args, f"[round {round_index + 1}/{args.rounds}] bare loop {dtype}",
-                         worker_command(args, "bare", 0, dtype, run_dir / "result.json"), run_dir)  # fmt: skip
-            bare[dtype].append(statistics.median(found["ms"][args.warmup :]))
+            for reference, by_dtype in references.items():
+                run_dir = args.out / "runs" / f"{reference}_{dtype}_r{round_index + 1}"
+                found = _run(args, f"[round {round_index + 1}/{args.rounds}] {reference} loop {dtype}",
+                             worker_command(args, reference, 0, dtype, run_dir / "result.json"), run_dir)  # fmt: skip
+                by_dtype[dtype].append(statistics.median(found["ms"][args.warmup :]))
         for (zero, dtype), by_backend in runs.items():
             initial = initial_weights(args, zero, dtype, args.out / "initial" / f"zero{zero}_{dtype}")
             shift = round_index % len(BACKENDS)
@@ -219,7 +234,10 @@ def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
                     command = worker_command(args, backend, zero, dtype, run_dir / "result.json")
                     found = _run(args, label, command, run_dir)
                 by_backend[backend].append(found)
-    rows = [row(zero, dtype, by_backend, bare[dtype], args) for (zero, dtype), by_backend in runs.items()]
+    rows = [
+        row(zero, dtype, by_backend, references["bare"][dtype], references["ddp"][dtype], args)
+        for (zero, dtype), by_backend in runs.items()
+    ]
     report = {
         "benchmark": "deepspeed",
         "ranks": args.ranks,
@@ -235,7 +253,8 @@ def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
             "elements at stages 1-2, prefetch 5e7 at stage 3): on this model every block is below one unit, so the "
             "root is the only unit (one all-gather and one reduce-scatter per step).",
             "bare loop: the same model, batches of rank 0 and step in one process without any backend (plain "
-            "foreach AdamW, clipping; bf16 under autocast).",
+            "foreach AdamW, clipping; bf16 under autocast). DDP: that step on every rank under "
+            "torch.nn.parallel.DistributedDataParallel (gloo, 25 MB buckets overlapping the backward).",
             "peak: live tensor bytes of one extra untimed step (every tensor reachable at its start counts as "
             "live): DeepSpeed's figure includes its 5e8-element gradient bucket. Trainer: its own tracked peak "
             "(training.track_memory, parameters and optimizer state live) of a separate 3-step run.",

@@ -92,7 +92,7 @@ def live_tensors() -> list[torch.Tensor]:
 
 
 def bare_step(args: argparse.Namespace, model: torch.nn.Module):
-    """The step without any backend: one process, plain foreach AdamW, clipping 1.0 (bf16: autocast)."""
+    """The step without any backend (one process, or each rank under torch DDP): plain foreach AdamW, clipping 1.0 (bf16: autocast)."""
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=True
     )
@@ -120,7 +120,7 @@ def save_initial(args: argparse.Namespace, directory: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", choices=("deepspeed", "ds_compat", "bare"), required=True)
+    parser.add_argument("--backend", choices=("deepspeed", "ds_compat", "bare", "ddp"), required=True)
     parser.add_argument("--zero", type=int, default=2)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--steps", type=int, default=20)
@@ -144,6 +144,13 @@ def main() -> None:
         rank, world, comm = 0, 1, None
         model, batches = build_model_and_batches(args, 0, args.world_size)
         step = bare_step(args, model)
+        device = torch.device("cpu")
+    elif args.backend == "ddp":
+        torch.distributed.init_process_group("gloo")
+        comm = torch.distributed
+        rank, world = comm.get_rank(), comm.get_world_size()
+        model, batches = build_model_and_batches(args, rank, world)
+        step = bare_step(args, torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25))
         device = torch.device("cpu")
     else:
         if args.backend == "deepspeed":
