@@ -28,7 +28,12 @@ setup(
     # The top-level configs/ folder ships inside the package, so the default config is found after a
     # non-editable install too.
     package_dir={"glm45v_fsdp.configs": "configs"},
-    package_data={"glm45v_fsdp.configs": ["*.yaml"]},
+    # ds_compat/shim is not a package but a PYTHONPATH entry (`import deepspeed` -> ds_compat under ds-fsdp): its
+    # `deepspeed` package and the `deepspeed` distribution metadata ship as data.
+    package_data={
+        "glm45v_fsdp.configs": ["*.yaml"],
+        "ds_compat": ["shim/deepspeed/*.py", "shim/deepspeed-*.dist-info/*"],
+    },
     install_requires=[
         # 2.13 is the first release whose FSDP2/DTensor/DCP we test on CPU; the upper bound keeps pip from
         # pulling an untested major release.

@@ -24,14 +24,19 @@ __version__ = "0.19.8+fsdp2"  # the DeepSpeed API version the engine follows
 __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
 
 _LAZY_MODULES = (
+    "accelerator",
+    "checkpoint",
     "checkpointing",
     "comm",
     "config",
     "dataloader",
     "engine",
     "launcher",
+    "ops",
+    "runtime",
     "trainer_door",
     "utils",
+    "zero",
     "zero_to_fp32",
 )
 

@@ -323,7 +323,7 @@ class Translation:
     ds_config: dict = field(default_factory=dict)
     world_size: int = 1
     dp_world_size: int = 1
-    steps_per_print: int = sections.DEFAULT_STEPS_PER_PRINT
+    steps_per_print: float = sections.DEFAULT_STEPS_PER_PRINT  # a positive int, or math.inf (never)
 
     @property
     def sequence_parallel_size(self) -> int:

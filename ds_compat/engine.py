@@ -24,11 +24,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from ds_compat.comm import device_layer, get_local_rank
 from ds_compat.config import Translation, translate
 from ds_compat.dataloader import DeepSpeedDataLoader
+from ds_compat.utils import z3_leaf_module
+from ds_compat.zero.partition_parameters import gather_full, is_partitioned
 from glm45v_fsdp.checkpoint.dcp import LoadAdvice, load_checkpoint, save_model_and_optimizer
 from glm45v_fsdp.checkpoint.deepspeed import load_into, read_deepspeed, tag_dir_of
 from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE
@@ -63,9 +66,10 @@ NOT_APPLIED = {
 
 def auto_fsdp_units(model: nn.Module) -> list[str]:
     """The automatic FSDP plan for an arbitrary module: every child of an nn.ModuleList is a unit of its own (the
-    outermost ModuleLists only: their children already hold the nested ones); the root is always a unit."""
+    outermost ModuleLists only: their children already hold the nested ones, and none inside a ZeRO-3 leaf module,
+    `deepspeed.utils.set_z3_leaf_modules`); the root is always a unit."""
     patterns: list[str] = []
-    taken: list[str] = []
+    taken = [name for name, module in model.named_modules() if name and z3_leaf_module(module)]
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
@@ -74,6 +78,47 @@ def auto_fsdp_units(model: nn.Module) -> list[str]:
         patterns.append(f"{name}.{{*}}" if name else "{*}")
         taken.extend(f"{name}.{index}" if name else str(index) for index in range(len(module)))
     return patterns
+
+
+def _take_zero_init_partitions(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Swap each zero.Init-partitioned parameter (an empty tensor plus its rows) for a meta parameter of its full
+    shape, so fully_shard sees the real shapes; -> {name: the partitioned parameter, holding the rows}."""
+    replacement: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and is_partitioned(param):
+                meta = torch.empty(param.ds_shape, dtype=param.dtype, device="meta")
+                new = replacement.setdefault(id(param), nn.Parameter(meta, requires_grad=param.requires_grad))
+                new._zero_source = param
+                module._parameters[name] = new
+    return {
+        name: param._zero_source
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if id(param) in {id(new) for new in replacement.values()}
+    }
+
+
+def _fill_from_partitions(model: nn.Module, partitioned: dict[str, nn.Parameter], device: torch.device) -> None:
+    """Allocate the sharded model's meta parameters (to_empty; the other parameters and buffers are kept) and fill
+    each local shard from the zero.Init rows, one full parameter at a time (a collective per parameter)."""
+    kept = {
+        name: (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().clone()
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if not tensor.is_meta
+    }
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name in kept:
+                (tensor.to_local() if isinstance(tensor, DTensor) else tensor).copy_(kept[name])
+        for name, param in model.named_parameters():
+            if name not in partitioned:
+                continue
+            full = gather_full(partitioned[name]).to(device=device, dtype=param.dtype)
+            if isinstance(param, DTensor):
+                param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
+            else:
+                param.copy_(full)
 
 
 def _param_groups(model_parameters: Any) -> list[dict[str, Any]]:
@@ -252,14 +297,18 @@ class DeepSpeedEngine(nn.Module):
                 "The model passed to initialize() has parameters on the meta device. Materialise them first "
                 "(e.g. model.to_empty(device=...) and initialise the weights) — the engine shards real tensors."
             )
-        if not self.plan.cpu_offload:
-            model.to(self.device)
-        if self.world_size > 1:
-            # DeepSpeed broadcasts rank 0's parameters, so every rank starts from the same weights.
-            with torch.no_grad():
-                for tensor in [*model.parameters(), *model.buffers()]:
-                    dist.broadcast(tensor.data, src=0)
+        partitioned = _take_zero_init_partitions(model)
+        device = torch.device("cpu") if self.plan.cpu_offload else self.device
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if not tensor.is_meta:  # the zero.Init ones are meta now, their values in `partitioned`
+                    tensor.data = tensor.data.to(device)
+                    if self.world_size > 1:  # DeepSpeed broadcasts rank 0's values: every rank starts equal
+                        dist.broadcast(tensor.data, src=0)
         apply_fsdp(model, self.plan, self.meshes.dense_shard, pin_memory=False)
+        if partitioned:
+            _fill_from_partitions(model, partitioned, device)
+            self.log.info("ds_compat: %d zero.Init parameter(s) put in their FSDP2 shards", len(partitioned))
         return model
 
     def _configure_optimizer(
@@ -648,19 +697,33 @@ class DeepSpeedEngine(nn.Module):
         """The model's full state dict (collective under FSDP2; every rank gets the tensors, on CPU)."""
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
 
-    def save_16bit_model(
-        self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters=False
-    ) -> bool:
-        """The full state dict in the training dtype (bf16 when bf16 is on, else fp32), written by rank 0 with
-        torch.save as `save_dir/save_filename`. Collective: every rank must call it."""
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The ds_config's zero_optimization.stage3_gather_16bit_weights_on_model_save (accelerate asks before
+        `_zero3_consolidated_16bit_state_dict`)."""
+        zero = self.config.get("zero_optimization") or {}
+        return bool(
+            zero.get("stage3_gather_16bit_weights_on_model_save", zero.get("gather_16bit_weights_on_model_save", False))
+        )
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The full state dict in the training dtype on rank 0 (None elsewhere), as DeepSpeed's. Collective."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.module, options=options)
         if exclude_frozen_parameters:
             frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
             state = {key: value for key, value in state.items() if key not in frozen}
+        if self.global_rank != 0:
+            return None
         dtype = DTYPES[self.plan.param_dtype]
-        if self.global_rank == 0:
-            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        return {key: value.to(dtype) if value.is_floating_point() else value for key, value in state.items()}
+
+    def save_16bit_model(
+        self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters=False
+    ) -> bool:
+        """The full state dict in the training dtype (bf16 when bf16 is on, else fp32), written by rank 0 with
+        torch.save as `save_dir/save_filename`. Collective: every rank must call it."""
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if state is not None:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(save_dir, save_filename))
             self.log.info("ds_compat: saved the %s model to %s", self.plan.param_dtype, Path(save_dir, save_filename))

@@ -8,6 +8,7 @@ per rank), so their exit status is the job's. Nothing here spawns or watches ran
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ds_compat.alias import BACKENDS, ENV_BACKEND, SHIM_DIR, backend_from_env
 from ds_compat.hostfile import Resources, check_filter_flags, read_hostfile, resolve_world
 from glm45v_fsdp.errors import UserError
 
@@ -46,6 +48,7 @@ UNSUPPORTED = {
     "save_pid": "ds-fsdp execs the launcher, so its own pid is the launcher's",
 }
 EXIT_USER_ERROR = 2
+DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"  # deepspeed.launcher.runner's name; DS_ENV_FILE overrides it
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -125,6 +128,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--bind_core_list", default=None, help="not supported")
     add("--save_pid", action="store_true", help="not supported")
     add("--enable_each_rank_log", default=None, help="directory for per-rank logs (torchrun --log-dir)")
+    add(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help=f"what `import deepspeed` runs in the ranks: fsdp (this backend) or deepspeed (the real one); default "
+        f"${ENV_BACKEND}, else fsdp",
+    )
     add("user_script", help="training script (or module with --module, executable with --no_python)")
     add("user_args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser.parse_args(argv)
@@ -203,7 +213,7 @@ def collect_exports(environ: MutableMapping[str, str], launcher: str) -> dict[st
     prefixes = EXPORT_PREFIXES + (CANN_PREFIXES if any(marker in environ for marker in CANN_MARKERS) else ())
     skipped = AISC_EXCLUDED if "AISC_JOB_NAME" in environ else ()
     exports.update((k, v) for k, v in environ.items() if k.startswith(prefixes) and k not in skipped)
-    name = environ.get("DS_ENV_FILE", ".deepspeed_env")
+    name = environ.get("DS_ENV_FILE", DEEPSPEED_ENVIRONMENT_NAME)
     for path in dict.fromkeys([(Path.home() / name).resolve(), (Path.cwd() / name).resolve()]):
         if path.is_file():
             log.info("deepspeed_env file = %s", path)
@@ -355,13 +365,36 @@ def local_pool(args: argparse.Namespace, environ: MutableMapping[str, str]) -> d
     return {"localhost": count}
 
 
+def choose_backend(args: argparse.Namespace, environ: MutableMapping[str, str]) -> str:
+    """What `import deepspeed` runs in the ranks: PYTHONPATH gets ds_compat/shim first (fsdp) or loses it (deepspeed,
+    which must then be installed); DS_FSDP_BACKEND is set for the ranks either way."""
+    backend = args.backend or backend_from_env(environ)
+    entries = [e for e in environ.get("PYTHONPATH", "").split(os.pathsep) if e and e != str(SHIM_DIR)]
+    if backend == "fsdp":
+        entries.insert(0, str(SHIM_DIR))
+    elif importlib.util.find_spec("deepspeed") is None or "ds_compat" in str(importlib.util.find_spec("deepspeed")):
+        raise UserError(
+            "--backend deepspeed runs the real DeepSpeed, which is not installed here. Install it "
+            "(`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed`), or use --backend fsdp (this backend)."
+        )
+    if entries:
+        environ["PYTHONPATH"] = os.pathsep.join(entries)
+    else:
+        environ.pop("PYTHONPATH", None)
+    environ[ENV_BACKEND] = backend
+    return backend
+
+
 def plan_launch(args: argparse.Namespace, environ: MutableMapping[str, str]) -> Plan:
     """Resolve the world and build the command, checking in the order deepspeed's runner does.
 
     `environ` (a copy of os.environ) becomes the command's environment: a *_VISIBLE_DEVICES variable is taken out,
-    and for a multi-node launch PYTHONPATH starts with the working directory.
+    PYTHONPATH starts with ds_compat/shim for the fsdp backend (`import deepspeed` -> ds_compat), and for a
+    multi-node launch PYTHONPATH holds the working directory too.
     """
     check_flags(args)
+    backend = choose_backend(args, environ)
+    switch = {"PYTHONPATH": environ.get("PYTHONPATH", ""), ENV_BACKEND: backend}
     launcher, explicit_hostfile = args.launcher.lower(), args.hostfile is not None
     args.hostfile = args.hostfile or DEFAULT_HOSTFILE
     pool, unset = read_hostfile(args.hostfile), []
@@ -394,11 +427,16 @@ def plan_launch(args: argparse.Namespace, environ: MutableMapping[str, str]) -> 
         launches = node_launches(args, nodes, addr)
         mine = launches[args.node_rank if args.no_ssh else 0]
         mode = "no_ssh" if args.no_ssh else "local"
-        return Plan(mode, world, addr, args.master_port, mine["command"], dict(mine["env"]), unset, nodes=launches)
+        env = {**mine["env"], **switch}
+        return Plan(mode, world, addr, args.master_port, mine["command"], env, unset, nodes=launches)
     cwd = os.path.abspath(".")
-    environ["PYTHONPATH"] = f"{cwd}:{environ['PYTHONPATH']}" if environ.get("PYTHONPATH") else cwd
+    shim = [str(SHIM_DIR)] if backend == "fsdp" else []
+    rest = [e for e in environ.get("PYTHONPATH", "").split(os.pathsep) if e and e != str(SHIM_DIR)]
+    environ["PYTHONPATH"] = os.pathsep.join([*shim, cwd, *rest])
     exports = collect_exports(environ, launcher)
-    plan = Plan(launcher, world, addr, args.master_port, [], {"PYTHONPATH": environ["PYTHONPATH"]}, unset, exports)
+    exports[ENV_BACKEND] = backend
+    env = {"PYTHONPATH": environ["PYTHONPATH"], ENV_BACKEND: backend}
+    plan = Plan(launcher, world, addr, args.master_port, [], env, unset, exports)
     if launcher == "pdsh":
         plan.nodes = node_launches(args, nodes, addr)
         plan.command, env = pdsh_plan(args, nodes, addr, exports, environ)
@@ -441,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"ds-fsdp: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
+    log.info(
+        "backend = %s (%s)",
+        plan.env[ENV_BACKEND],
+        "import deepspeed -> ds_compat, the FSDP2 backend" if plan.env[ENV_BACKEND] == "fsdp" else "the real DeepSpeed",
+    )
     log.info("cmd = %s", shlex.join(plan.command))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 
 DS_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+# `deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES` (accelerate checks a scheduler's class name against it)
+VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
 WARMUP_TYPES = ("log", "linear")
 
 # Parameters of each DeepSpeed scheduler with their defaults (None: the optimizer's lr for WarmupLR's warmup_max_lr,

@@ -6,6 +6,7 @@ records into a Report; what the engine cannot honour raises a UserError naming t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ds_compat import ds_keys
@@ -386,16 +387,19 @@ def _enabled(ds: dict, key: str) -> tuple[dict, bool]:
 DEFAULT_STEPS_PER_PRINT = 10  # DeepSpeed 0.19's default
 
 
-def map_logging(ds: dict, report: Report) -> int:
+def map_logging(ds: dict, report: Report) -> float:
     """Logging keys; returns steps_per_print, which keeps DeepSpeed's meaning: the engine's own periodic line."""
-    steps_per_print = DEFAULT_STEPS_PER_PRINT
-    if ds.get("steps_per_print") is not None:
+    steps_per_print: float = DEFAULT_STEPS_PER_PRINT
+    if ds.get("steps_per_print") == math.inf:  # accelerate writes float("inf"): never
+        steps_per_print = math.inf
+    elif ds.get("steps_per_print") is not None:
         steps_per_print = as_int("steps_per_print", ds["steps_per_print"], minimum=1)
+    if ds.get("steps_per_print") is not None:
         report.note(
             f"steps_per_print {steps_per_print}: DeepSpeed's own progress line (step, skipped, lr, mom) every "
-            f"{steps_per_print} optimizer steps, which the engine API prints as DeepSpeed does. Our trainer "
-            "(--deepspeed) keeps its progress bar and its loss line every training.log_interval steps (our YAML's "
-            "key: steps_per_print would silence a short run's losses, as the HF Trainer's 2000 does)."
+            f"{steps_per_print} optimizer steps (inf: never), which the engine API prints as DeepSpeed does. Our "
+            "trainer (--deepspeed) keeps its progress bar and its loss line every training.log_interval steps (our "
+            "YAML's key: steps_per_print would silence a short run's losses, as the HF Trainer's 2000 does)."
         )
     if "tensorboard" in ds:
         section, on = _enabled(ds, "tensorboard")

@@ -1,6 +1,7 @@
 """A plain training script written against the DeepSpeed API; tests/test_ds_engine.py runs it on both backends.
 
-The only switch is DS_API_BACKEND: "deepspeed" imports DeepSpeed, anything else `import ds_compat as deepspeed`.
+DS_API_BACKEND="deepspeed": `import deepspeed` (the real one; this backend under ds-fsdp or `python -m ds_compat.run`),
+anything else: `import ds_compat as deepspeed`.
 A tiny transformer LM (embedding, two blocks in an nn.ModuleList, lm head) trains on synthetic tokens with
 `loss = engine(batch); engine.backward(loss); engine.step()`. Rank 0 writes per optimizer step the loss (mean over
 the accumulation micro steps, averaged over ranks), the lr and global_steps to --out (JSON). At the end the script
@@ -185,6 +186,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     world = deepspeed.comm.get_world_size()
     results = {stage: train(args, int(stage), world) for stage in args.zero.split(",")}
+    results["deepspeed_module"] = deepspeed.__name__  # "ds_compat" where `import deepspeed` was switched (ds-fsdp)
     if deepspeed.comm.get_rank() == 0:
         with open(args.out, "w") as handle:
             json.dump(results, handle, indent=1)

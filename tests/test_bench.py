@@ -255,7 +255,8 @@ def test_longest_bench_doubles_until_the_budget_and_judges_the_ratio(tmp_path):
 def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, monkeypatch):
     """Faked runs (no processes): the order rotates per round, each door's ratio is DeepSpeed ms / door ms per round,
     ZeRO-3 is judged against 1.6x and the others against 1.0x and 0.8 of the bare loop's rate, the trainer door gets
-    the worker's initial weights and ds_config, and the loss parity is reported per door; torch DDP's share of the bare rate is reported beside it."""
+    the worker's initial weights and ds_config, and the loss parity is reported per door; torch DDP's share of the
+    bare rate is reported beside it."""
     from glm45v_fsdp.tools import bench, bench_deepspeed
 
     order, trainer_commands = [], []

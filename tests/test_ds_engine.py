@@ -1,8 +1,9 @@
 """The DeepSpeed engine API (`import ds_compat as deepspeed`) against the installed DeepSpeed.
 
-- Parity: tests/ds_api_script.py, one DeepSpeed-API training script, runs on both backends (2 gloo ranks, ZeRO 0, 2
-  and 3, 30 optimizer steps with accumulation 2, WarmupLR, clipping active): per-step losses, lrs and global_steps
-  must agree, and save/load must round-trip the client state on both.
+- Parity: tests/ds_api_script.py, one DeepSpeed-API training script (`import deepspeed`), runs unchanged on both
+  backends — under torchrun on the real DeepSpeed, under `ds-fsdp` on this one (2 gloo ranks, ZeRO 0, 2 and 3, 30
+  optimizer steps with accumulation 2, WarmupLR, clipping active): per-step losses, lrs and global_steps must agree,
+  and save/load must round-trip the client state on both.
 - tests/ds_engine_worker.py: what needs real sharding (client optimizer rebuilt on the FSDP2 parameters, client
   scheduler following it, zero_to_fp32 and save_16bit_model equal to the trained full state dict, load variants).
 - In-process, one rank: initialize's argument errors (compared with DeepSpeed's own), add_config_arguments, the
@@ -82,9 +83,19 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         out = root / "result.json"
         args = ("--zero", ",".join(STAGES), "--steps", str(STEPS), "--out", str(out), "--save_dir", str(root / "ck"))
         if backend == "deepspeed":  # without DeepSpeed's JIT-compiled shm all-reduce (see the runner's docstring)
-            torchrun(REFERENCE_RUNNER, str(SCRIPT), *args, env=clean_env(DS_API_BACKEND=backend))
-        else:
-            torchrun(SCRIPT, *args, env=clean_env(DS_API_BACKEND=backend))
+            torchrun(REFERENCE_RUNNER, str(SCRIPT), *args, env=clean_env(DS_API_BACKEND="deepspeed"))
+        else:  # the same `import deepspeed` script, switched by the launcher alone
+            launch = [sys.executable, "-m", "ds_compat.launcher", "--num_gpus", "2", "--master_port", str(free_port())]
+            command = [*launch, str(SCRIPT), *args]
+            result = subprocess.run(
+                command,
+                cwd=REPO,
+                env=clean_env(DS_API_BACKEND="deepspeed"),
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
         results[backend] = json.loads(out.read_text())
         results[backend]["save_dir"] = str(root / "ck")
     return results
@@ -96,6 +107,7 @@ def mean_relative_error(test: list[float], ref: list[float]) -> float:
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_training_matches_deepspeed(runs, stage):
+    assert runs["deepspeed"]["deepspeed_module"] == "deepspeed" and runs["ds_compat"]["deepspeed_module"] == "ds_compat"
     ours, ref = runs["ds_compat"][stage], runs["deepspeed"][stage]
     assert len(ours["records"]) == len(ref["records"]) == STEPS
     error = mean_relative_error([r["loss"] for r in ours["records"]], [r["loss"] for r in ref["records"]])

@@ -14,6 +14,7 @@ import pytest
 from conftest import free_port
 
 from ds_compat import launcher
+from ds_compat.alias import SHIM_DIR
 from ds_compat.hostfile import read_hostfile, resolve_world
 from ds_compat.launcher import LOCAL_RANK_ARG, main, numa_node_count
 from glm45v_fsdp.errors import UserError
@@ -154,7 +155,8 @@ def test_local_dry_run_is_one_torchrun(env, capsys, monkeypatch):
         1, 0, 2, "127.0.0.1", "--module", "glm45v_fsdp.train", LOCAL_RANK_ARG, "training.train_iters=3"
     )
     devices = dict.fromkeys(["CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"], "0,1")
-    assert report["env"] == {**devices, "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": "2"}
+    switch = {"PYTHONPATH": str(SHIM_DIR), "DS_FSDP_BACKEND": "fsdp"}  # import deepspeed -> ds_compat in the ranks
+    assert report["env"] == {**devices, "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": "2", **switch}
     assert report["exports"] == {} and report["unset"] == []
     # DS_ACCELERATOR=cpu without --num_gpus: one process per NUMA node (or LOCAL_SIZE), as deepspeed counts CPUs
     assert dry_run(capsys, "train.py")["world_info"] == {"localhost": list(range(numa_node_count()))}
@@ -179,7 +181,8 @@ def test_pdsh_dry_run_runs_each_nodes_torchrun(env, capsys):
     report = dry_run(capsys, "-H", hostfile, "--launcher_args", "-R ssh", "train.py", "--lr", "1e-4")
     assert report["mode"] == "pdsh" and report["master_addr"] == "worker-0" and report["world_size"] == 8
     assert report["command"][:-1] == ["pdsh", "-S", "-f", "1024", "-w", "worker-0,worker-1", "-R", "ssh"]
-    assert report["env"] == {"PYTHONPATH": str(env / "work"), "PDSH_RCMD_TYPE": "ssh"}
+    pythonpath = f"{SHIM_DIR}:{env / 'work'}"
+    assert report["env"] == {"PYTHONPATH": pythonpath, "DS_FSDP_BACKEND": "fsdp", "PDSH_RCMD_TYPE": "ssh"}
     assert [node["command"] for node in report["nodes"]] == [
         torchrun(2, rank, 4, "worker-0", "train.py", LOCAL_RANK_ARG, "--lr", "1e-4") for rank in (0, 1)
     ]
@@ -213,7 +216,7 @@ def test_pdsh_remote_command_quotes_and_selects_each_hosts_slots(env, capsys, mo
         seen = json.loads((env / "out").read_text())
         assert seen["argv"] == node["command"][1:] and seen["cwd"] == str(env / "work")
         assert {k: seen["env"][k] for k in node["env"]} == node["env"]
-        assert seen["env"]["NCCL_DEBUG"] == "INFO" and seen["env"]["PYTHONPATH"] == str(env / "work")
+        assert seen["env"]["NCCL_DEBUG"] == "INFO" and seen["env"]["PYTHONPATH"] == f"{SHIM_DIR}:{env / 'work'}"
     assert report["nodes"][0]["command"][7:10] == ["0", "--nproc_per_node", "2"]
     unknown = run_remote_script(report, "worker-7", env)
     assert unknown.returncode == 1 and "worker-7 is not in the world info" in unknown.stderr
@@ -232,7 +235,9 @@ def test_slurm_dry_run(env, capsys):
     report = dry_run(capsys, "-H", hostfile, "--launcher", "SLURM", "--launcher_args", "-p gpu", "train.py", "x")
     srun = "srun -n 8 --ntasks-per-node 4 --kill-on-bad-exit=1 -p gpu --export=ALL"
     assert " ".join(report["command"]) == f"{srun} {PY} -u train.py x"
-    assert report["env"] == {"PYTHONPATH": str(env / "work"), "MASTER_PORT": "29500"} and report["nodes"] == []
+    pythonpath = f"{SHIM_DIR}:{env / 'work'}"
+    assert report["env"] == {"PYTHONPATH": pythonpath, "DS_FSDP_BACKEND": "fsdp", "MASTER_PORT": "29500"}
+    assert report["nodes"] == []
     assert report["master_addr"] is None  # the trainer takes the step's first node
     flags = ["--launcher", "slurm", "--force_multi", "--num_nodes", "1", "--num_gpus", "2", "--master_addr", "n0"]
     limited = dry_run(capsys, "-H", hostfile, *flags, "--module", "m")
@@ -251,22 +256,23 @@ def test_mpi_dry_runs(env, capsys):
     openmpi = dry_run(capsys, *base, "--launcher", "openmpi", "train.py")["command"]
     assert " ".join(openmpi) == (
         f"mpirun -n 8 -hostfile {hostfile} --mca btl ^openib --mca btl_tcp_if_include eth0 -x UCX_TLS=tcp "
-        f"-x PYTHONPATH={env / 'work'} -x MASTER_ADDR=n0 -x MASTER_PORT=6000 {PY} -u train.py"
+        f"-x PYTHONPATH={SHIM_DIR}:{env / 'work'} -x DS_FSDP_BACKEND=fsdp -x MASTER_ADDR=n0 -x MASTER_PORT=6000 "
+        f"{PY} -u train.py"
     )
     tcp = dry_run(capsys, *base, "--launcher", "openmpi", "--launcher_args", "--mca btl_tcp_if_include ib0", "t.py")
     assert tcp["command"][8:11] == ["--mca", "btl_tcp_if_include", "ib0"] and "eth0" not in tcp["command"]
-    genv = f"-genv PYTHONPATH {env / 'work'} -genv MASTER_ADDR n0 -genv MASTER_PORT 6000 -genv WORLD_SIZE 8 "
-    genv += "-genv LOCAL_SIZE 4"
+    genv = f"-genv PYTHONPATH {SHIM_DIR}:{env / 'work'} -genv DS_FSDP_BACKEND fsdp -genv MASTER_ADDR n0 "
+    genv += "-genv MASTER_PORT 6000 -genv WORLD_SIZE 8 -genv LOCAL_SIZE 4"
     mpich = dry_run(capsys, *base, "--launcher", "mpich", "--module", "pkg.train", "x")["command"]
-    assert " ".join(mpich[:20]) == f"mpirun -n 8 -ppn 4 {genv}"
-    assert mpich[20:24] == ["-hosts", "worker-0,worker-1", "sh", "-c"]
-    assert mpich[25:] == ["ds-fsdp-rank", PY, "-u", "-m", "pkg.train", "x"]
+    assert " ".join(mpich[:23]) == f"mpirun -n 8 -ppn 4 {genv}"
+    assert mpich[23:27] == ["-hosts", "worker-0,worker-1", "sh", "-c"]
+    assert mpich[28:] == ["ds-fsdp-rank", PY, "-u", "-m", "pkg.train", "x"]
     rank_env = {"PMI_RANK": "5", "MPI_LOCALRANKID": "1"}
-    shim = subprocess.run(["sh", "-c", mpich[24], "x", "sh", "-c", "echo $RANK $LOCAL_RANK"], env=rank_env, **TEXT)
+    shim = subprocess.run(["sh", "-c", mpich[27], "x", "sh", "-c", "echo $RANK $LOCAL_RANK"], env=rank_env, **TEXT)
     assert shim.stdout == "5 1\n"
     impi = dry_run(capsys, *base, "--launcher", "impi", "--no_python", "./run.sh")["command"]
-    assert " ".join(impi[:18]) == f"mpirun -ppn 4 {genv}"
-    assert impi[18:23] == ["-genv", "I_MPI_PIN", "0", "-hosts", "worker-0,worker-1"]
+    assert " ".join(impi[:21]) == f"mpirun -ppn 4 {genv}"
+    assert impi[21:26] == ["-genv", "I_MPI_PIN", "0", "-hosts", "worker-0,worker-1"]
     blocks = " ".join(impi[23:]).split(" : ")
     assert len(blocks) == 8 and blocks[5] == "-n 1 -env RANK 5 -env LOCAL_RANK 1 ./run.sh"
 
@@ -309,11 +315,12 @@ def test_deepspeed_env_files_and_exported_variables(env, capsys, monkeypatch):
     expected = {
         "NCCL_SOCKET_IFNAME": "eth1",
         "HCCL_CONNECT_TIMEOUT": "1200",
-        "PYTHONPATH": str(env / "work"),
+        "PYTHONPATH": f"{SHIM_DIR}:{env / 'work'}",
         "A": "home",
         "B": "cwd",
         "C": "x y",
         "D": "k=v",
+        "DS_FSDP_BACKEND": "fsdp",
     }
     assert report["exports"] == expected
     assert "export NCCL_SOCKET_IFNAME=eth1 HCCL_CONNECT_TIMEOUT=1200" in report["command"][-1]

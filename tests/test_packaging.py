@@ -1,4 +1,5 @@
-"""The package as users get it: a wheel that carries the default configs, and the glm45v-train console script."""
+"""The package as users get it: a wheel that carries the default configs and the deepspeed switch (ds_compat/shim),
+and the glm45v-train console script."""
 
 from __future__ import annotations
 
@@ -42,6 +43,24 @@ def test_wheel_ships_configs_and_finds_the_default_config_after_install(tmp_path
         [sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
     ).stdout.split()
     assert out == [str(target / "glm45v_fsdp" / "configs" / "glm45v_tiny.yaml"), "tiny"]
+    # ds_compat/shim travels as data: `import deepspeed` switches to ds_compat from the installed wheel too
+    assert (
+        "ds_compat/shim/deepspeed/__init__.py" in names
+        and "ds_compat/shim/deepspeed-0.19.8.dist-info/METADATA" in names
+    )
+    switched = tmp_path / "switched.py"
+    switched.write_text(
+        "import importlib.metadata, deepspeed; print(deepspeed.__name__, importlib.metadata.version('deepspeed'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "ds_compat.run", str(switched)],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert out == ["ds_compat", "0.19.8+fsdp2"]
 
 
 def test_console_script_is_the_module_entry_point(tmp_path):

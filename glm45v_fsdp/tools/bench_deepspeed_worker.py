@@ -92,7 +92,8 @@ def live_tensors() -> list[torch.Tensor]:
 
 
 def bare_step(args: argparse.Namespace, model: torch.nn.Module):
-    """The step without any backend (one process, or each rank under torch DDP): plain foreach AdamW, clipping 1.0 (bf16: autocast)."""
+    """The step without any backend (one process, or each rank under torch DDP): plain foreach AdamW, clipping 1.0
+    (bf16: autocast)."""
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=True
     )

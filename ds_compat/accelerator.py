@@ -1,0 +1,91 @@
+"""`deepspeed.accelerator.get_accelerator()`: the device family of this backend's device layer, DeepSpeed's names.
+
+The family is chosen as `ds_compat.comm.device_layer` chooses it (DS_ACCELERATOR, else npu > cuda > cpu). Only the
+calls the HF / accelerate integrations and common scripts make are here; anything else raises AttributeError.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ds_compat.comm import device_layer
+from glm45v_fsdp.runtime.device import DeviceLayer
+
+
+class Accelerator:
+    """DeepSpeed's abstract accelerator, for one DeviceLayer."""
+
+    def __init__(self, layer: DeviceLayer) -> None:
+        self.layer = layer
+        self._name = layer.type
+        self._communication_backend_name = layer.backend
+
+    def device_name(self, device_index: int | str | None = None) -> str:
+        if self._name == "cpu" or device_index is None:
+            return self._name
+        return f"{self._name}:{int(device_index)}"
+
+    def current_device(self) -> int:
+        return 0 if self._name == "cpu" else self.layer._accel.current_device()
+
+    def current_device_name(self) -> str:
+        return self.device_name(None if self._name == "cpu" else self.current_device())
+
+    def device(self, device_index: int | None = None) -> torch.device:
+        return torch.device(self.device_name(device_index))
+
+    def device_count(self) -> int:
+        if self._name == "cpu":
+            return int(os.environ.get("LOCAL_SIZE", 1))
+        return self.layer._accel.device_count()
+
+    def set_device(self, device_index: int) -> None:
+        self.layer.set_device(device_index)
+
+    def is_available(self) -> bool:
+        return True
+
+    def communication_backend_name(self) -> str:
+        return self._communication_backend_name
+
+    def is_bf16_supported(self) -> bool:
+        return True
+
+    def is_fp16_supported(self) -> bool:
+        return self._name != "cpu"  # as DeepSpeed's CPU accelerator
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        self.layer.synchronize()
+
+    def empty_cache(self) -> None:
+        if self._name != "cpu":
+            self.layer._accel.empty_cache()
+
+    def manual_seed(self, seed: int) -> None:
+        self.layer.manual_seed_all(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        self.layer.manual_seed_all(seed)
+
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
+        return self.layer.peak_allocated_bytes()
+
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
+        self.layer.reset_peak_memory()
+
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        return tensor.pin_memory() if self.layer.pin_memory() else tensor
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == self._name
+
+
+@functools.cache
+def get_accelerator() -> Accelerator:
+    return Accelerator(device_layer())
+
+
+__all__ = ["Accelerator", "get_accelerator"]

@@ -1,0 +1,11 @@
+"""`deepspeed.zero` (also `deepspeed.runtime.zero`): Init, GatheredParameters and the external-parameter calls;
+see ds_compat/zero/partition_parameters.py."""
+
+from ds_compat.zero.partition_parameters import (
+    GatheredParameters,
+    Init,
+    register_external_parameter,
+    unregister_external_parameter,
+)
+
+__all__ = ["GatheredParameters", "Init", "register_external_parameter", "unregister_external_parameter"]

@@ -1,0 +1,269 @@
+"""Unchanged DeepSpeed clients switched by the launch command (`ds-fsdp` instead of `deepspeed`).
+
+- The switch (python -m ds_compat.run, one process): `import deepspeed` and the submodules transformers / accelerate
+  import resolve to ds_compat, one module object under both names; package metadata and both libraries'
+  availability checks answer, also with the installed DeepSpeed hidden; what is not provided fails with a message;
+  DS_FSDP_BACKEND=deepspeed keeps the real one.
+- zero.Init / GatheredParameters on 2 spawned ranks: a rank keeps half the rows, a modifier rank's change reaches
+  every rank, initialize() puts the partitions into the FSDP2 shards.
+- tests/hf_trainer_script.py (HF Trainer, "auto" ds_config, `from_pretrained` after TrainingArguments) launched by
+  `deepspeed` and by `ds-fsdp` with the same flags, ZeRO 2 and 3 (ZeRO 3 with the installed DeepSpeed hidden): losses,
+  eval loss and the saved safetensors equal DeepSpeed's; `resume_from_checkpoint` in a fresh launch continues exactly.
+- tests/accelerate_loop_script.py (Accelerator(deepspeed_plugin=...), save_state / load_state) likewise, ZeRO 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import REPO, clean_env, end_worker, free_port
+
+from ds_compat.alias import SHIM_DIR
+
+HIDE = REPO / "tests" / "hide_deepspeed"
+TRAINER_SCRIPT = REPO / "tests" / "hf_trainer_script.py"
+LOOP_SCRIPT = REPO / "tests" / "accelerate_loop_script.py"
+
+
+def env(*, hide_deepspeed: bool = False, **extra: str) -> dict[str, str]:
+    environ = clean_env()
+    environ.update(DS_ACCELERATOR="cpu", **extra)
+    if hide_deepspeed:
+        environ["PYTHONPATH"] = f"{HIDE}{os.pathsep}{environ['PYTHONPATH']}"
+    return environ
+
+
+def mean_relative_error(test: list[float], reference: list[float]) -> float:
+    assert len(test) == len(reference)
+    return sum(abs(t - r) / abs(r) for t, r in zip(test, reference)) / len(reference)
+
+
+def run(command: list[str], environ: dict[str, str], cwd: Path = REPO) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The switch
+# ----------------------------------------------------------------------------------------------------------------
+
+PROBE = """
+import importlib, importlib.metadata, importlib.util, json, sys
+import deepspeed
+import deepspeed.comm
+from deepspeed.runtime.zero import partition_parameters as pp
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import set_z3_leaf_modules
+from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
+import ds_compat, ds_compat.comm
+from accelerate.utils import is_deepspeed_available as accelerate_sees
+from transformers.integrations.deepspeed import is_deepspeed_available as transformers_sees
+refused = {}
+for name in ("deepspeed.pipe", "deepspeed.no_such_module"):
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        refused[name] = str(error)
+print(json.dumps({
+    "module": deepspeed.__name__,
+    "one_comm": deepspeed.comm is ds_compat.comm is sys.modules["deepspeed.comm"],
+    "one_reduce_op": deepspeed.comm.ReduceOp is ds_compat.comm.ReduceOp,
+    "zero_is_runtime_zero": deepspeed.zero is sys.modules["deepspeed.runtime.zero"],
+    "pp": pp.__name__,
+    "lr_schedules": deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES,
+    "engine_class": deepspeed.runtime.engine.DeepSpeedEngine is deepspeed.DeepSpeedEngine,
+    "accelerator": get_accelerator().device_name(),
+    "version": importlib.metadata.version("deepspeed"),
+    "version_attr": deepspeed.__version__,
+    "accelerate_sees": accelerate_sees(),
+    "transformers_sees": transformers_sees(),
+    "environment_name": DEEPSPEED_ENVIRONMENT_NAME,
+    "refused": refused,
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe_script(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("probe") / "probe.py"
+    path.write_text(textwrap.dedent(PROBE))
+    return path
+
+
+@pytest.mark.parametrize("hide_deepspeed", [False, True], ids=["deepspeed-installed", "deepspeed-hidden"])
+def test_import_deepspeed_resolves_to_ds_compat(probe_script, hide_deepspeed):
+    result = run([sys.executable, "-m", "ds_compat.run", str(probe_script)], env(hide_deepspeed=hide_deepspeed))
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen["module"] == "ds_compat" and seen["pp"] == "ds_compat.zero.partition_parameters"
+    assert seen["one_comm"] and seen["one_reduce_op"] and seen["zero_is_runtime_zero"] and seen["engine_class"]
+    assert seen["lr_schedules"] == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    assert seen["version"] == seen["version_attr"] == "0.19.8+fsdp2" and seen["accelerator"] == "cpu"
+    assert seen["accelerate_sees"] is True and seen["transformers_sees"] is True
+    assert seen["environment_name"] == ".deepspeed_env"
+    assert "pipeline parallelism" in seen["refused"]["deepspeed.pipe"]
+    assert "ds-fsdp --backend deepspeed" in seen["refused"]["deepspeed.no_such_module"]
+    assert "import deepspeed -> ds_compat 0.19.8+fsdp2" in result.stderr  # the log says which backend runs
+
+
+def test_hidden_deepspeed_is_really_gone_and_the_real_one_can_be_kept(probe_script):
+    gone = subprocess.run([sys.executable, "-c", "import deepspeed"], env=env(hide_deepspeed=True), capture_output=True)
+    assert gone.returncode != 0 and b"hidden by tests/hide_deepspeed" in gone.stderr
+    script = "import deepspeed, json; print(json.dumps([deepspeed.__name__, deepspeed.__file__]))"
+    probe = probe_script.parent / "real.py"
+    probe.write_text(script)
+    result = run([sys.executable, "-m", "ds_compat.run", str(probe)], env(DS_FSDP_BACKEND="deepspeed"))
+    name, location = json.loads(result.stdout.splitlines()[-1])
+    assert name == "deepspeed" and "site-packages" in location and str(SHIM_DIR) not in location
+    wrong = subprocess.run(
+        [sys.executable, "-m", "ds_compat.run", str(probe)], env=env(DS_FSDP_BACKEND="fast"), capture_output=True
+    )
+    assert wrong.returncode != 0 and b"DS_FSDP_BACKEND='fast' is not a backend" in wrong.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# zero.Init and GatheredParameters (2 ranks)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _tiny_mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+
+
+def _zero_init_worker(rank: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    import ds_compat
+    from ds_compat import zero
+
+    torch.manual_seed(0)
+    reference = _tiny_mlp()
+    torch.manual_seed(rank)  # the ranks draw different values: partitioning must keep rank 0's, as DeepSpeed
+    with zero.Init():
+        model = _tiny_mlp()
+    weight = model[0].weight
+    assert weight.numel() == 0 and tuple(weight.ds_shape) == (7, 5) and weight.ds_numel == 35
+    assert weight._zero_rows.shape == ((4, 5) if rank == 0 else (3, 5))  # a rank holds its rows only
+    with zero.GatheredParameters(list(model.parameters())):
+        for mine, theirs in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(mine, theirs)
+    assert weight.numel() == 0  # partitioned again
+    with zero.GatheredParameters(model[2].bias, modifier_rank=1), torch.no_grad():
+        if rank == 1:
+            model[2].bias.fill_(3.0)
+    with torch.no_grad():
+        reference[2].bias.fill_(3.0)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = ds_compat.initialize(model=model, config=config)
+    state = engine.module_state_dict()  # full tensors on rank 0
+    if rank == 0:
+        assert state.keys() == reference.state_dict().keys()
+        for name, value in reference.state_dict().items():
+            assert torch.equal(state[name], value), name
+    with pytest.raises(Exception, match="after deepspeed.initialize"):
+        zero.GatheredParameters(list(engine.module.parameters()))
+    end_worker()
+
+
+def test_zero_init_partitions_and_initialize_places_them():
+    mp.spawn(_zero_init_worker, args=(free_port(),), nprocs=2, join=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HF Trainer and accelerate, launched by deepspeed and by ds-fsdp
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def launch(launcher: str, script: Path, out: Path, *args: str, hide_deepspeed: bool = False) -> str:
+    """`deepspeed` or `ds-fsdp` (as `python -m` their runner modules) on 2 CPU ranks with the same flags."""
+    runner = {"deepspeed": "deepspeed.launcher.runner", "ds-fsdp": "ds_compat.launcher"}[launcher]
+    command = [sys.executable, "-m", runner, "--num_gpus", "2", "--master_port", str(free_port()), str(script)]
+    result = run([*command, "--out", str(out), *args], env(hide_deepspeed=hide_deepspeed), cwd=out.parent)
+    return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A tiny Llama saved as an HF checkpoint, the scripts' `from_pretrained` source."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    path = tmp_path_factory.mktemp("pretrained")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory, pretrained) -> dict[int, dict]:
+    """Per ZeRO stage: DeepSpeed's run, ours (ZeRO 3 with the installed DeepSpeed hidden) and ours resumed."""
+    runs = {}
+    for zero in (2, 3):
+        root = tmp_path_factory.mktemp(f"trainer_zero{zero}")
+        flags = ["--zero", str(zero), "--pretrained", str(pretrained)]
+        launch("deepspeed", TRAINER_SCRIPT, root / "deepspeed", *flags)
+        log = launch("ds-fsdp", TRAINER_SCRIPT, root / "ours", *flags, hide_deepspeed=zero == 3)
+        launch("ds-fsdp", TRAINER_SCRIPT, root / "ours", *flags, "--resume", hide_deepspeed=zero == 3)
+        runs[zero] = {
+            "root": root,
+            "log": log,
+            **{name: json.loads((root / name / "result.json").read_text()) for name in ("deepspeed", "ours")},
+            "resumed": json.loads((root / "ours" / "resumed.json").read_text()),
+        }
+    return runs
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_hf_trainer_matches_deepspeed_through_ds_fsdp(trainer_runs, zero):
+    from safetensors.torch import load_file
+
+    run_ = trainer_runs[zero]
+    ours, reference = run_["ours"], run_["deepspeed"]
+    assert "import deepspeed -> ds_compat" in run_["log"] and "ds_compat engine: ZeRO stage" in run_["log"]
+    assert len(ours["losses"]) == len(reference["losses"]) == 10
+    assert mean_relative_error(ours["losses"], reference["losses"]) <= 1e-5
+    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+    saved = {name: load_file(run_["root"] / name / "final" / "model.safetensors") for name in ("ours", "deepspeed")}
+    assert saved["ours"].keys() == saved["deepspeed"].keys() and len(saved["ours"]) == 21
+    for key, value in saved["deepspeed"].items():
+        assert saved["ours"][key].dtype == value.dtype == torch.float32
+        torch.testing.assert_close(saved["ours"][key], value, rtol=1e-5, atol=1e-5)
+    if zero == 3:  # from_pretrained after TrainingArguments went through zero.Init
+        assert "21 zero.Init parameter(s) put in their FSDP2 shards" in run_["log"]
+    # resume_from_checkpoint (checkpoint-5) in a fresh launch: steps 6-10 as the straight run
+    assert run_["resumed"]["losses"] == pytest.approx(ours["losses"][5:], rel=1e-6)
+    assert run_["resumed"]["eval_loss"] == pytest.approx(ours["eval_loss"], rel=1e-6)
+
+
+def test_accelerate_loop_matches_deepspeed_through_ds_fsdp(tmp_path, pretrained):
+    flags = ["--zero", "2", "--pretrained", str(pretrained)]
+    launch("deepspeed", LOOP_SCRIPT, tmp_path / "deepspeed", *flags)
+    log = launch("ds-fsdp", LOOP_SCRIPT, tmp_path / "ours", *flags)
+    launch("ds-fsdp", LOOP_SCRIPT, tmp_path / "ours", *flags, "--resume")
+    reference = json.loads((tmp_path / "deepspeed" / "result.json").read_text())["losses"]
+    ours = json.loads((tmp_path / "ours" / "result.json").read_text())["losses"]
+    resumed = json.loads((tmp_path / "ours" / "resumed.json").read_text())["losses"]
+    assert "import deepspeed -> ds_compat" in log
+    assert len(ours) == len(reference) == 10 and mean_relative_error(ours, reference) <= 1e-5
+    assert resumed == pytest.approx(ours[5:], rel=1e-6)  # save_state after step 5, load_state in a fresh launch
