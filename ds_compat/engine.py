@@ -11,11 +11,12 @@ accumulation boundary, global steps and samples, skipped steps, the `latest` fil
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,30 @@ def _fill_from_partitions(model: nn.Module, partitioned: dict[str, nn.Parameter]
                 param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
             else:
                 param.copy_(full)
+
+
+WHOLE_STATE_DICT = "_ds_compat_whole_state_dict"  # module flag: state_dict() / load_state_dict() with full tensors
+
+
+def _whole_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """ZeRO 0-2 keep parameters whole in DeepSpeed, so `model.state_dict()` holds full tensors: the FSDP2 shards are
+    gathered (a collective, as every rank calls state_dict in such code)."""
+    if getattr(module, WHOLE_STATE_DICT, False):
+        for key, value in state_dict.items():
+            if isinstance(value, DTensor):
+                state_dict[key] = value.full_tensor()
+
+
+def _whole_load_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    """The other way: full tensors given to `load_state_dict` become this rank's shards (no communication)."""
+    if not getattr(module, WHOLE_STATE_DICT, False):
+        return
+    targets = {prefix + name: t for name, t in [*module.named_parameters(), *module.named_buffers()]}
+    for key, value in state_dict.items():
+        target = targets.get(key)
+        if isinstance(target, DTensor) and torch.is_tensor(value) and not isinstance(value, DTensor):
+            full = value.to(device=target.device, dtype=target.dtype)
+            state_dict[key] = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
 
 
 def _param_groups(model_parameters: Any) -> list[dict[str, Any]]:
@@ -242,6 +267,10 @@ class DeepSpeedEngine(nn.Module):
         old_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         self.plan = dataclasses.replace(self._config.parallel.fsdp_plan, apply_modules=auto_fsdp_units(model))
         self.module = self._shard(model)
+        if self.translation.zero_stage <= 2:
+            setattr(self.module, WHOLE_STATE_DICT, True)
+            self.module.register_state_dict_post_hook(_whole_state_dict_hook)
+            self.module.register_load_state_dict_pre_hook(_whole_load_state_dict_hook)
         self.loss_scaler = None
         if self.translation.precision == "fp16":
             from glm45v_fsdp.loss_scale import LossScaler  # the trainer's scaler, DeepSpeed's rules
@@ -296,6 +325,12 @@ class DeepSpeedEngine(nn.Module):
             raise UserError(
                 "The model passed to initialize() has parameters on the meta device. Materialise them first "
                 "(e.g. model.to_empty(device=...) and initialise the weights) — the engine shards real tensors."
+            )
+        if any(isinstance(module, FSDPModule) for module in model.modules()):
+            raise UserError(
+                "deepspeed.initialize was given a model that an earlier engine already sharded with FSDP2 (its "
+                "parameters are DTensors; engine.destroy() does not undo that). Build the model again "
+                "(from_pretrained, or the constructor inside deepspeed.zero.Init) and initialize that."
             )
         partitioned = _take_zero_init_partitions(model)
         device = torch.device("cpu") if self.plan.cpu_offload else self.device
@@ -535,6 +570,29 @@ class DeepSpeedEngine(nn.Module):
                 )
         self.micro_steps += 1
 
+    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, **_: Any) -> None:
+        """DeepSpeed's engine.compile: `torch.compile` of the module in place (nn.Module.compile), with `backend`
+        (None: torch's default) and `compile_kwargs`; accelerate calls it when the HF run sets torch_compile."""
+        kwargs = dict(compile_kwargs or {})
+        if backend is not None:
+            kwargs["backend"] = backend
+        self.module.compile(**kwargs)
+        self._is_compiled = True
+        self.log.info("ds_compat: module compiled with torch.compile(%s)", kwargs or "")
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self, "_is_compiled", False)
+
+    def destroy(self) -> None:
+        """Release what the engine holds for training (optimizer and its state, scheduler, step runner, data
+        loader), as DeepSpeed's destroy() does before accelerate's free_memory. The module stays sharded by FSDP2
+        and keeps serving forward passes; a new deepspeed.initialize needs a freshly built model."""
+        self.optimizer = self.basic_optimizer = self.client_optimizer = None
+        self.lr_scheduler = self.client_lr_scheduler = None
+        self.step_runner = None
+        self.training_dataloader = self.training_data = None
+
     def _skip_step(self, loss: float | None, outcome: StepOutcome) -> None:
         """DeepSpeed skips a step with a non-finite gradient norm, without limit, and says so."""
         self.skipped_steps += 1
@@ -588,7 +646,8 @@ class DeepSpeedEngine(nn.Module):
         tag = str(f"global_step{self.global_steps}" if tag is None else tag)
         self._check_tag(tag)
         path = save_dir / tag
-        save_model_and_optimizer(path, self.module, self.optimizer)
+        with self._sharded_state_dicts():
+            save_model_and_optimizer(path, self.module, self.optimizer)
         if self.global_rank == 0:
             torch.save(self._engine_state(client_state or {}), path / ENGINE_STATE_FILE)
             if save_latest:
@@ -596,6 +655,16 @@ class DeepSpeedEngine(nn.Module):
         dist.barrier()
         self.log.info("ds_compat: checkpoint saved to %s", path)
         return True
+
+    @contextlib.contextmanager
+    def _sharded_state_dicts(self) -> Iterator[None]:
+        """The engine's own checkpoint code wants FSDP2's sharded state dicts, whatever the ZeRO stage."""
+        whole = getattr(self.module, WHOLE_STATE_DICT, False)
+        setattr(self.module, WHOLE_STATE_DICT, False)
+        try:
+            yield
+        finally:
+            setattr(self.module, WHOLE_STATE_DICT, whole)
 
     def _check_tag(self, tag: str) -> None:
         tags: list[Any] = [None] * self.world_size
@@ -635,18 +704,19 @@ class DeepSpeedEngine(nn.Module):
         state_file = path / ENGINE_STATE_FILE
         with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
         if not state_file.is_file() and tag_dir_of(path) is not None:
-            return self._load_deepspeed_checkpoint(
-                path, load_module_strict, with_optimizer, load_lr_scheduler_states, load_module_only
-            )
+            with self._sharded_state_dicts():
+                return self._load_deepspeed_checkpoint(
+                    path, load_module_strict, with_optimizer, load_lr_scheduler_states, load_module_only
+                )
         if not state_file.is_file():
             raise UserError(
                 f"load_checkpoint: '{path}' is not a checkpoint of this engine (no {ENGINE_STATE_FILE}) nor one "
                 "written by DeepSpeed (no mp_rank_00_model_states.pt / zero_pp_rank_0_mp_rank_00_model_states.pt). "
                 "Pass the save_dir given to save_checkpoint and one of its tags."
             )
-        load_checkpoint(
-            self.module, self.optimizer if with_optimizer else None, path, strict=load_module_strict, advice=ENGINE_LOAD
-        )
+        with self._sharded_state_dicts():
+            optimizer = self.optimizer if with_optimizer else None
+            load_checkpoint(self.module, optimizer, path, strict=load_module_strict, advice=ENGINE_LOAD)
         state = torch.load(state_file, map_location="cpu", weights_only=False)
         if not load_module_only:
             if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -695,7 +765,8 @@ class DeepSpeedEngine(nn.Module):
 
     def module_state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
         """The model's full state dict (collective under FSDP2; every rank gets the tensors, on CPU)."""
-        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+        with self._sharded_state_dicts():
+            return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """The ds_config's zero_optimization.stage3_gather_16bit_weights_on_model_save (accelerate asks before
@@ -707,8 +778,7 @@ class DeepSpeedEngine(nn.Module):
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """The full state dict in the training dtype on rank 0 (None elsewhere), as DeepSpeed's. Collective."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.module, options=options)
+        state = self.module_state_dict(full=True)
         if exclude_frozen_parameters:
             frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
             state = {key: value for key, value in state.items() if key not in frozen}

@@ -466,3 +466,38 @@ def test_activation_checkpointing(group):
     engine.backward(engine(x))
     for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
         assert torch.allclose(a.grad, b.grad), name
+
+
+def test_compile_and_deepspeed_optimizer_classes(group):
+    """engine.compile (accelerate's torch_compile); DeepSpeed's optimizer classes as client optimizers, rebuilt with
+    their mode (test_hf_integration.py checks the sharded state dicts, destroy and the 2-rank rebuild)."""
+    from ds_compat.ops.adam import DeepSpeedCPUAdam
+    from ds_compat.ops.lion import DeepSpeedCPULion
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+
+    def engine_with(optimizer_class, **kwargs):
+        torch.manual_seed(0)
+        model = Net()
+        return ds_compat.initialize(model=model, optimizer=optimizer_class(model.parameters(), **kwargs), config=config)
+
+    engine, optimizer, *_ = engine_with(DeepSpeedCPUAdam, lr=1e-2, weight_decay=0.1, adamw_mode=False)
+    assert type(optimizer) is DeepSpeedCPUAdam and optimizer.param_groups[0]["decoupled_weight_decay"] is False
+    reference, torch_adam, *_ = engine_with(torch.optim.Adam, lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        for run in (engine, reference):
+            run.backward(run(x))
+            run.step()
+    assert engine(x).item() == reference(x).item()  # Adam with L2 decay, as DeepSpeed's adamw_mode=False
+
+    before = engine(x).item()
+    engine.compile(backend="eager")
+    assert engine.is_compiled and engine(x).item() == before
+
+    lion, lion_optimizer, *_ = engine_with(DeepSpeedCPULion, lr=0.1, betas=(0.5, 0.9), weight_decay=0.0)
+    start = {key: value.clone() for key, value in lion.module_state_dict().items()}
+    lion.backward(lion(x))
+    lion.step()
+    moved = [(lion.module_state_dict()[key] - value).abs() for key, value in start.items()]
+    assert all(torch.allclose(delta[delta > 0], torch.tensor(0.1)) for delta in moved)  # sign updates of size lr

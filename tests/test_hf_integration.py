@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import REPO, clean_env, end_worker, free_port
+from torch.distributed.tensor import DTensor
 
 from ds_compat.alias import SHIM_DIR
 
@@ -180,6 +181,45 @@ def _zero_init_worker(rank: int, port: int) -> None:
 
 def test_zero_init_partitions_and_initialize_places_them():
     mp.spawn(_zero_init_worker, args=(free_port(),), nprocs=2, join=True)
+
+
+def _zero2_worker(rank: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    import ds_compat
+    from ds_compat.ops.adam import DeepSpeedCPUAdam
+    from glm45v_fsdp.errors import UserError
+
+    torch.manual_seed(0)
+    model = _tiny_mlp()
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    client = DeepSpeedCPUAdam(model.parameters(), lr=1e-2, adamw_mode=False)
+    engine, optimizer, *_ = ds_compat.initialize(model=model, optimizer=client, config=config)
+    assert isinstance(next(engine.module.parameters()), DTensor)  # really sharded
+    assert type(optimizer) is DeepSpeedCPUAdam and optimizer.param_groups[0]["decoupled_weight_decay"] is False
+    engine.backward(engine(torch.randn(2, 5)).sum())
+    engine.step()
+    # ZeRO-2: DeepSpeed's parameters are whole, so are `state_dict()` and `load_state_dict()` (accelerate's
+    # unwrap_model(engine).state_dict() on save); the engine's own checkpoints stay sharded
+    state = engine.module.state_dict()
+    full = engine.module_state_dict(full=True)
+    assert all(not isinstance(value, DTensor) for value in state.values())
+    assert all(isinstance(value, DTensor) for value in engine.module_state_dict(full=False).values())
+    if rank == 0:
+        assert all(torch.equal(value, full[key]) for key, value in state.items())
+    changed = {key: value * 2.0 + 1.0 for key, value in state.items()}
+    engine.module.load_state_dict(changed)
+    assert all(torch.equal(value, changed[key]) for key, value in engine.module.state_dict().items())
+    engine.destroy()
+    assert engine.optimizer is None and engine.lr_scheduler is None
+    with pytest.raises(UserError, match="already sharded with FSDP2"):
+        ds_compat.initialize(model=engine.module, config=config)
+    end_worker()
+
+
+def test_zero2_state_dicts_are_whole_and_destroy_releases():
+    mp.spawn(_zero2_worker, args=(free_port(),), nprocs=2, join=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
