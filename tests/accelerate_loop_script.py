@@ -16,6 +16,9 @@ parser.add_argument("--zero", type=int, default=2)
 parser.add_argument("--out", required=True)
 parser.add_argument("--pretrained", required=True)
 parser.add_argument("--resume", action="store_true")
+parser.add_argument(
+    "--offload", action="store_true", help="offload_optimizer to cpu: accelerate swaps in DeepSpeedCPUAdam"
+)
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 
@@ -27,7 +30,7 @@ plugin = DeepSpeedPlugin(
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": args.zero},
+        "zero_optimization": {"stage": args.zero, **({"offload_optimizer": {"device": "cpu"}} if args.offload else {})},
     }
 )
 accelerator = Accelerator(deepspeed_plugin=plugin)
@@ -56,4 +59,4 @@ for step, batch in enumerate(loader, start=start + 1):
         break
 if accelerator.is_main_process:
     with open(os.path.join(args.out, "resumed.json" if args.resume else "result.json"), "w") as handle:
-        json.dump({"losses": losses}, handle)
+        json.dump({"losses": losses, "optimizer": type(optimizer.optimizer).__name__}, handle)

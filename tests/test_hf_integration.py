@@ -9,7 +9,8 @@
 - tests/hf_trainer_script.py (HF Trainer, "auto" ds_config, `from_pretrained` after TrainingArguments) launched by
   `deepspeed` and by `ds-fsdp` with the same flags, ZeRO 2 and 3 (ZeRO 3 with the installed DeepSpeed hidden): losses,
   eval loss and the saved safetensors equal DeepSpeed's; `resume_from_checkpoint` in a fresh launch continues exactly.
-- tests/accelerate_loop_script.py (Accelerator(deepspeed_plugin=...), save_state / load_state) likewise, ZeRO 2.
+- tests/accelerate_loop_script.py (Accelerator(deepspeed_plugin=...), save_state / load_state) likewise, ZeRO 2, and
+  with offload_optimizer (accelerate swaps the client AdamW for deepspeed.ops.adam.DeepSpeedCPUAdam).
 """
 
 from __future__ import annotations
@@ -307,3 +308,7 @@ def test_accelerate_loop_matches_deepspeed_through_ds_fsdp(tmp_path, pretrained)
     assert "import deepspeed -> ds_compat" in log
     assert len(ours) == len(reference) == 10 and mean_relative_error(ours, reference) <= 1e-5
     assert resumed == pytest.approx(ours[5:], rel=1e-6)  # save_state after step 5, load_state in a fresh launch
+    # offload_optimizer with a client AdamW: accelerate swaps in deepspeed.ops.adam.DeepSpeedCPUAdam
+    launch("ds-fsdp", LOOP_SCRIPT, tmp_path / "offload", *flags, "--offload")
+    offload = json.loads((tmp_path / "offload" / "result.json").read_text())
+    assert offload["optimizer"] == "DeepSpeedCPUAdam" and mean_relative_error(offload["losses"], reference) <= 1e-5
