@@ -288,6 +288,12 @@ def test_auto_fsdp_units():
     assert auto_fsdp_units(nested) == ["a.{*}", "b.0.{*}"]
     assert auto_fsdp_units(nn.ModuleList([nn.Linear(1, 1)])) == ["{*}"]
     assert auto_fsdp_units(nn.Linear(1, 1)) == []
+    from ds_compat.utils import set_z3_leaf_modules
+
+    assert set_z3_leaf_modules(nested, [nn.Sequential]) == [nested.a[0], nested.b]  # accelerate's MoE leaves
+    assert auto_fsdp_units(nested) == ["a.{*}"]  # nothing inside a leaf becomes a unit of its own
+    with pytest.raises(ValueError, match="No modules of type"):
+        set_z3_leaf_modules(nested, ["Conv2d"])
 
 
 def test_boundary_counters_and_lr_per_group(group, capsys):

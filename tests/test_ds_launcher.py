@@ -367,3 +367,20 @@ def test_failing_rank_fails_the_job(tmp_path):
     bad = launch("-H", str(hostfile_with(tmp_path, "worker-0 slots=2\nworker-0 slots=2")), "t.py")
     assert bad.returncode == 2 and "Hostfile contains multiple entries for worker-0" in bad.stderr
     assert "ds-fsdp: error: Hostfile" in bad.stderr
+
+
+def test_backend_switch_in_the_ranks_environment(env, capsys, monkeypatch):
+    """fsdp (default): ds_compat/shim first on PYTHONPATH, so `import deepspeed` is this backend in the ranks;
+    deepspeed (flag or DS_FSDP_BACKEND): the shim is taken out again, and the real package must exist."""
+    monkeypatch.setenv("PYTHONPATH", f"{SHIM_DIR}:/mine")
+    fsdp = dry_run(capsys, "--num_gpus", "1", "train.py")["env"]
+    assert fsdp["PYTHONPATH"] == f"{SHIM_DIR}:/mine" and fsdp["DS_FSDP_BACKEND"] == "fsdp"
+    real = dry_run(capsys, "--num_gpus", "1", "--backend", "deepspeed", "train.py")["env"]
+    assert real["PYTHONPATH"] == "/mine" and real["DS_FSDP_BACKEND"] == "deepspeed"
+    monkeypatch.setenv("DS_FSDP_BACKEND", "deepspeed")
+    assert dry_run(capsys, "--num_gpus", "1", "train.py")["env"]["DS_FSDP_BACKEND"] == "deepspeed"
+    monkeypatch.setenv("DS_FSDP_BACKEND", "fast")
+    assert "DS_FSDP_BACKEND='fast' is not a backend" in user_error(capsys, "train.py")
+    monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda name: None)  # DeepSpeed not installed
+    error = user_error(capsys, "--backend", "deepspeed", "train.py")
+    assert "--backend deepspeed runs the real DeepSpeed, which is not installed here" in error
