@@ -55,9 +55,9 @@ class Tokens(torch.utils.data.Dataset):
 class RecordingTrainer(Trainer):
     losses: list[float] = []
 
-    def compute_loss(self, model, inputs, *rest, **kwargs):
-        loss = super().compute_loss(model, inputs, *rest, **kwargs)
-        if model.training:
+    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        if model.training and not return_outputs:
             self.losses.append(loss.item())
         return loss
 

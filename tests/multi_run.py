@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 
 from glm45v_fsdp.train import end_process, run
 
 
 def main(path: str) -> None:
+    rank = int(os.environ.get("RANK", "0"))
     for item in json.loads(open(path).read()):
-        with open(item["log"], "w") as log, contextlib.redirect_stdout(log):
+        # rank 0's stdout only: every rank opening the same file raced, and the last writer's text won
+        with open(item["log"] if rank == 0 else os.devnull, "w") as log, contextlib.redirect_stdout(log):
             run(item["argv"])
     end_process(0)
 
