@@ -122,6 +122,7 @@ def _fill_from_partitions(model: nn.Module, partitioned: dict[str, nn.Parameter]
                 param.copy_(full)
 
 
+SHARDED_AS = "_ds_compat_sharded_as"  # module attribute: how an engine sharded it, so a later engine can reuse it
 WHOLE_STATE_DICT = "_ds_compat_whole_state_dict"  # module flag: state_dict() / load_state_dict() with full tensors
 
 
@@ -267,10 +268,10 @@ class DeepSpeedEngine(nn.Module):
         old_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         self.plan = dataclasses.replace(self._config.parallel.fsdp_plan, apply_modules=auto_fsdp_units(model))
         self.module = self._shard(model)
-        if self.translation.zero_stage <= 2:
-            setattr(self.module, WHOLE_STATE_DICT, True)
+        if not hasattr(self.module, WHOLE_STATE_DICT):  # once per model (an earlier engine may have shared it)
             self.module.register_state_dict_post_hook(_whole_state_dict_hook)
             self.module.register_load_state_dict_pre_hook(_whole_load_state_dict_hook)
+        setattr(self.module, WHOLE_STATE_DICT, self.translation.zero_stage <= 2)
         self.loss_scaler = None
         if self.translation.precision == "fp16":
             from glm45v_fsdp.loss_scale import LossScaler  # the trainer's scaler, DeepSpeed's rules
@@ -326,11 +327,27 @@ class DeepSpeedEngine(nn.Module):
                 "The model passed to initialize() has parameters on the meta device. Materialise them first "
                 "(e.g. model.to_empty(device=...) and initialise the weights) — the engine shards real tensors."
             )
+        sharding = (tuple(self.meshes.dense_shard.mesh.flatten().tolist()), self.plan.param_dtype,
+                    self.plan.reduce_dtype, self.plan.cpu_offload)  # fmt: skip
+        previous = getattr(model, SHARDED_AS, None)
+        if previous is not None:  # an earlier engine's model (HF's second train(), evaluate() then train())
+            if previous != sharding:
+                raise UserError(
+                    f"deepspeed.initialize was given a model an earlier engine sharded with FSDP2 as (ranks, param "
+                    f"dtype, reduce dtype, cpu offload) = {previous}; this config needs {sharding}, which FSDP2 cannot "
+                    "change in place. Use the same precision, offload and world, or build the model again."
+                )
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+                    if module is not model:
+                        module.set_reshard_after_forward(self.plan.reshard_after_forward)
+            self.log.info("ds_compat: the model is already sharded by an earlier engine; its FSDP2 units are kept")
+            return model
         if any(isinstance(module, FSDPModule) for module in model.modules()):
             raise UserError(
-                "deepspeed.initialize was given a model that an earlier engine already sharded with FSDP2 (its "
-                "parameters are DTensors; engine.destroy() does not undo that). Build the model again "
-                "(from_pretrained, or the constructor inside deepspeed.zero.Init) and initialize that."
+                "deepspeed.initialize was given a model already sharded with FSDP2 by something else than this "
+                "engine. Pass the plain model."
             )
         partitioned = _take_zero_init_partitions(model)
         device = torch.device("cpu") if self.plan.cpu_offload else self.device
@@ -341,6 +358,7 @@ class DeepSpeedEngine(nn.Module):
                     if self.world_size > 1:  # DeepSpeed broadcasts rank 0's values: every rank starts equal
                         dist.broadcast(tensor.data, src=0)
         apply_fsdp(model, self.plan, self.meshes.dense_shard, pin_memory=False)
+        setattr(model, SHARDED_AS, sharding)
         if partitioned:
             _fill_from_partitions(model, partitioned, device)
             self.log.info("ds_compat: %d zero.Init parameter(s) put in their FSDP2 shards", len(partitioned))
@@ -587,7 +605,7 @@ class DeepSpeedEngine(nn.Module):
     def destroy(self) -> None:
         """Release what the engine holds for training (optimizer and its state, scheduler, step runner, data
         loader), as DeepSpeed's destroy() does before accelerate's free_memory. The module stays sharded by FSDP2
-        and keeps serving forward passes; a new deepspeed.initialize needs a freshly built model."""
+        (as DeepSpeed's stays partitioned): a new deepspeed.initialize on it keeps its units and builds the rest."""
         self.optimizer = self.basic_optimizer = self.client_optimizer = None
         self.lr_scheduler = self.client_lr_scheduler = None
         self.step_runner = None

@@ -2,8 +2,9 @@
 
 A tiny Llama from the saved config/weights in --pretrained, loaded *after* TrainingArguments (the ZeRO-3 order:
 `from_pretrained` under deepspeed.zero.Init), a ds_config with "auto" values, 10 steps with checkpoints every 5,
-evaluate, save_model. `--resume` instead continues from checkpoint-5 in a fresh process. Rank 0 writes result.json:
-the loss of every training micro step (exact floats, recorded in compute_loss), the eval loss.
+evaluate, save_model, then a second train() on the trained model. `--resume` instead continues from checkpoint-5
+in a fresh process. Rank 0 writes result.json: the loss of every training micro step (exact floats, recorded in
+compute_loss) of both train() calls, the eval loss.
 """
 
 import argparse
@@ -53,7 +54,9 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class RecordingTrainer(Trainer):
-    losses: list[float] = []
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.losses: list[float] = []
 
     def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
         loss = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
@@ -88,6 +91,14 @@ trainer.train(resume_from_checkpoint=os.path.join(args.out, "checkpoint-5") if a
 result = {"losses": trainer.losses, "eval_loss": trainer.evaluate()["eval_loss"]}
 if not args.resume:
     trainer.save_model(os.path.join(args.out, "final"))
+    # A second train() in the same process (accelerate's free_memory -> engine.destroy(), a new engine on the same
+    # model). transformers 5.24 would take the first engine, left in model_wrapped, as the wrapped model and never
+    # rebuild accelerate's engine wrapper (the real DeepSpeed fails the same way without this line).
+    trainer.model_wrapped = trainer.model
+    trainer.losses = []
+    trainer.args.output_dir = os.path.join(args.out, "second")  # checkpoint-5 stays the first run's, for --resume
+    trainer.train()
+    result["second_losses"] = trainer.losses
 if training.process_index == 0:
     with open(os.path.join(args.out, "resumed.json" if args.resume else "result.json"), "w") as handle:
         json.dump(result, handle)

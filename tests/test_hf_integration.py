@@ -8,7 +8,8 @@
   every rank, initialize() puts the partitions into the FSDP2 shards.
 - tests/hf_trainer_script.py (HF Trainer, "auto" ds_config, `from_pretrained` after TrainingArguments) launched by
   `deepspeed` and by `ds-fsdp` with the same flags, ZeRO 2 and 3 (ZeRO 3 with the installed DeepSpeed hidden): losses,
-  eval loss and the saved safetensors equal DeepSpeed's; `resume_from_checkpoint` in a fresh launch continues exactly.
+  eval loss, the saved safetensors and a second train() equal DeepSpeed's; `resume_from_checkpoint` in a fresh
+  launch continues exactly.
 - tests/accelerate_loop_script.py (Accelerator(deepspeed_plugin=...), save_state / load_state) likewise, ZeRO 2, and
   with offload_optimizer (accelerate swaps the client AdamW for deepspeed.ops.adam.DeepSpeedCPUAdam).
 """
@@ -214,12 +215,23 @@ def _zero2_worker(rank: int, port: int) -> None:
     assert all(torch.equal(value, changed[key]) for key, value in engine.module.state_dict().items())
     engine.destroy()
     assert engine.optimizer is None and engine.lr_scheduler is None
-    with pytest.raises(UserError, match="already sharded with FSDP2"):
-        ds_compat.initialize(model=engine.module, config=config)
+    # a second initialize on the same model (HF's second train()): its FSDP2 units are kept, training goes on
+    kept = engine.module_state_dict(full=True)
+    config3 = {**config, "zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+    again, *_ = ds_compat.initialize(model=engine.module, config=config3)
+    same = again.module_state_dict()  # a collective: every rank calls it, rank 0 gets the tensors
+    assert all(torch.equal(value, kept[key]) for key, value in same.items()) and (rank != 0 or len(same) == 4)
+    assert all(isinstance(value, DTensor) for value in again.module.state_dict().values())  # ZeRO-3: shards
+    again.backward(again(torch.ones(2, 5)).sum())
+    again.step()
+    stepped = again.module_state_dict()
+    assert again.global_steps == 1 and (rank != 0 or not torch.equal(stepped["0.bias"], kept["0.bias"]))
+    with pytest.raises(UserError, match="FSDP2 cannot change in place"):
+        ds_compat.initialize(model=again.module, config={**config, "bf16": {"enabled": True}})
     end_worker()
 
 
-def test_zero2_state_dicts_are_whole_and_destroy_releases():
+def test_zero2_state_dicts_are_whole_and_a_destroyed_engines_model_trains_on():
     mp.spawn(_zero2_worker, args=(free_port(),), nprocs=2, join=True)
 
 
@@ -292,6 +304,9 @@ def test_hf_trainer_matches_deepspeed_through_ds_fsdp(trainer_runs, zero):
         torch.testing.assert_close(saved["ours"][key], value, rtol=1e-5, atol=1e-5)
     if zero == 3:  # from_pretrained after TrainingArguments went through zero.Init
         assert "21 zero.Init parameter(s) put in their FSDP2 shards" in run_["log"]
+    # a second train() in the same process: destroy(), a new engine on the same (sharded) model
+    assert len(ours["second_losses"]) == 10 and ours["second_losses"] != ours["losses"]
+    assert mean_relative_error(ours["second_losses"], reference["second_losses"]) <= 1e-5
     # resume_from_checkpoint (checkpoint-5) in a fresh launch: steps 6-10 as the straight run
     assert run_["resumed"]["losses"] == pytest.approx(ours["losses"][5:], rel=1e-6)
     assert run_["resumed"]["eval_loss"] == pytest.approx(ours["eval_loss"], rel=1e-6)
