@@ -218,6 +218,10 @@ class TrainingConfig:
     # weights, Adam moments, step, schedule). null = initialise from scratch (the log says so).
     load: str | None = None
     load_format: Literal["auto", "hf", "dcp", "deepspeed"] = "auto"
+    # auto: when training.save holds a complete checkpoint, continue from its latest (weights, optimizer, step,
+    # data position, RNG) instead of training.load, so a restarted job (torchrun --max-restarts, Slurm --requeue,
+    # a Kubernetes restart) runs on with the same command; off: training.load decides.
+    resume: Literal["off", "auto"] = "off"
     # Missing, unexpected or shape-mismatched keys stop the run before step 1.
     load_strict: bool = True
     no_load_optim: bool = False

@@ -20,6 +20,10 @@ class TrainingStopped(RuntimeError):
     """The run stopped on purpose (e.g. the non-finite loss policy); the message says why and what to change."""
 
 
+class Preempted(RuntimeError):
+    """A preemption signal ended the run at a step boundary, after a checkpoint (runtime/preemption.py)."""
+
+
 def report_user_error(program: str, error: UserError) -> None:
     """Print `error` as one paragraph on stderr; a ConfigError only on rank 0 (every rank has the same one)."""
     from glm45v_fsdp.runtime.dist import launcher_rank

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from glm45v_fsdp.errors import TrainingStopped, UserError, report_user_error
+from glm45v_fsdp.errors import Preempted, TrainingStopped, UserError, report_user_error
+from glm45v_fsdp.runtime.preemption import EXIT_PREEMPTED
 
 if TYPE_CHECKING:
     from torch import nn
@@ -92,7 +93,7 @@ def deepspeed_config_path(args: argparse.Namespace) -> str | None:
 def run(argv: list[str]) -> dict:
     """Parse, validate, build, resume (DCP), train, export (training.save_hf); returns the end-of-run summary."""
     from glm45v_fsdp.builders import build_loader, build_model, build_runtime, build_training_data
-    from glm45v_fsdp.checkpoint.dcp import check_save_targets, resolve_load
+    from glm45v_fsdp.checkpoint.dcp import auto_resume, check_save_targets, resolve_load
     from glm45v_fsdp.checkpoint.deepspeed import read_deepspeed
     from glm45v_fsdp.checkpoint.state import data_start_step, read_trainer_state
     from glm45v_fsdp.config import load_config
@@ -115,6 +116,7 @@ def run(argv: list[str]) -> dict:
         config = ds_run.config
     check_outputs(config.training)
     check_save_targets(config.training)
+    config.training, resume_line = auto_resume(config.training)
     source = resolve_load(config.training)  # path errors before any collective; build_model loads HF weights
     resume = source if source is not None and source.format in ("dcp", "deepspeed") else None
     hf_config = load_hf_config(config.model)
@@ -123,6 +125,8 @@ def run(argv: list[str]) -> dict:
     try:
         setup_logging(runtime.env.rank)
         get_logger().info(runtime.cpu_threads)
+        if resume_line is not None:
+            get_logger().info(resume_line)
         data = build_training_data(config, hf_config)  # a bad data file stops the run before the model is built
         if ds_run is not None:
             record_deepspeed_config(ds_run, runtime.is_main)
@@ -182,7 +186,8 @@ def end_process(code: int) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run, then end the process (a finished run exits through `end_process`); user errors return 2, a stop 3."""
+    """Run, then end the process (a finished run exits through `end_process`); user errors return 2, a stop 3, a
+    preemption 143 (after its checkpoint)."""
     try:
         run(sys.argv[1:] if argv is None else argv)
     except UserError as error:
@@ -191,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as error:
         print(f"glm45v-train: {error}", file=sys.stderr)
         return EXIT_STOPPED
+    except Preempted as error:
+        print(f"glm45v-train: {error}", file=sys.stderr)
+        return EXIT_PREEMPTED
     end_process(0)
 
 

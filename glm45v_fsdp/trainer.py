@@ -21,7 +21,7 @@ from glm45v_fsdp.checkpoint.layout import describe_diff
 from glm45v_fsdp.checkpoint.state import capture_rng, read_trainer_state, restore_rng
 from glm45v_fsdp.config import Config, dump_yaml
 from glm45v_fsdp.data.dump import BatchDumper
-from glm45v_fsdp.errors import TrainingStopped, UserError
+from glm45v_fsdp.errors import Preempted, TrainingStopped, UserError
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.loss_scale import LossScaler
 from glm45v_fsdp.memory.chunk_loss import ChunkChoice, ChunkedLossHead
@@ -40,6 +40,8 @@ from glm45v_fsdp.optim import OptimizerRecipe, build_optimizer, build_scheduler,
 from glm45v_fsdp.parallel.expert import balance_metrics
 from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
 from glm45v_fsdp.runtime import MemoryMeter
+from glm45v_fsdp.runtime.faults import Fault
+from glm45v_fsdp.runtime.preemption import EXIT_PREEMPTED, PreemptionWatch
 from glm45v_fsdp.step import OptimizerStep, StepOutcome
 
 Batch = dict[str, torch.Tensor]
@@ -115,6 +117,9 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_yaml(config))
         self.checkpointer = Checkpointer(training, runtime.env.rank) if training.save else None
+        self.preemption = PreemptionWatch()
+        self.preempted_ranks: list[int] = []  # ranks that got a preemption signal, known to all after a step
+        self.fault = Fault.from_env()
         self.dumper = (
             BatchDumper(self.output_dir, runtime.env.rank, training.dump_batches) if training.dump_batches else None
         )
@@ -229,10 +234,29 @@ class Trainer:
             rng,
         )
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, sync: bool = False) -> None:
         assert self.checkpointer is not None
         rng = capture_rng(self.runtime.device)
-        self.checkpointer.save(self.step, self.model, self.optimizer, self.checkpoint_state(), rng)
+        self.checkpointer.save(self.step, self.model, self.optimizer, self.checkpoint_state(), rng, sync=sync)
+
+    def _stop_for_preemption(self) -> None:
+        """Every rank, at the same step: a synchronous checkpoint published as `latest`, then Preempted."""
+        self.log.warning(
+            "preemption signal on rank(s) %s: stopping after step %d with a checkpoint (exit %d)",
+            self.preempted_ranks,
+            self.step,
+            EXIT_PREEMPTED,
+        )
+        if self.checkpointer is None:
+            self.log.warning("training.save is not set: nothing is saved; the next run starts over")
+        else:
+            self.checkpointer.wait()
+            if self.checkpointer.last_step != self.step:
+                self.save_checkpoint(sync=True)
+            if dist.is_initialized():  # no rank exits (and gets the others killed by its launcher) before rank 0
+                dist.barrier()  # published the checkpoint
+        where = f" (latest checkpoint: step {self.step})" if self.checkpointer is not None else ""
+        raise Preempted(f"preempted at step {self.step} of {self.config.training.train_iters}{where}")
 
     def _dp_all_reduce(self, values: list[torch.Tensor | float]) -> list[float]:
         """Sum small scalars over the data-parallel ranks in one collective."""
@@ -359,10 +383,12 @@ class Trainer:
     ) -> StepRecord:
         self.step += 1
         self.consumed_samples += self.global_batch_size
+        preempting = 1.0 if self.preemption.signal is not None else 0.0
         figures, moe_counts = self._gather_rank_figures(
-            [ms, self.meter.peak_bytes() / GIB, data_ms], take_moe_counts(self.moe_blocks)
+            [ms, self.meter.peak_bytes() / GIB, data_ms, preempting], take_moe_counts(self.moe_blocks)
         )
-        ms_ranks, mem_ranks, data_ranks = figures
+        ms_ranks, mem_ranks, data_ranks, preempting_ranks = figures
+        self.preempted_ranks = [rank for rank, flag in enumerate(preempting_ranks) if flag]
         ms_max = max(ms_ranks)
         record = StepRecord(
             step=self.step,
@@ -421,7 +447,8 @@ class Trainer:
         )
         self.model.train()
         try:
-            self._loop(iterator, bar)
+            with self.preemption.installed():
+                self._loop(iterator, bar)
         finally:
             bar.close()
             waited = self.checkpointer.wait() if self.checkpointer is not None else 0.0
@@ -448,10 +475,14 @@ class Trainer:
             bar.update(1)
             if self.runtime.is_main and (self.step % training.log_interval == 0 or self.step == training.train_iters):
                 bar.write(format_line(record, training.train_iters, self.meter.kind), file=sys.stdout)
+            if self.preempted_ranks:
+                self._stop_for_preemption()
             if self.checkpointer is not None:
                 self.checkpointer.poll()
                 if self.checkpointer.due(self.step):
                     self.save_checkpoint()
+            if self.fault is not None:
+                self.fault.maybe_fire(self.runtime.env.rank, self.step)
 
     def _summary(self) -> dict[str, Any]:
         """summarize() over this process's steps; empty when a resume started at training.train_iters."""

@@ -15,6 +15,7 @@ ranks loads on M.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -143,6 +144,25 @@ def resolve_load(training: TrainingConfig) -> LoadSource | None:
     if is_weights_only(path):
         return LoadSource("dcp-weights", path)
     return LoadSource("dcp", find_checkpoint(path))
+
+
+def auto_resume(training: TrainingConfig) -> tuple[TrainingConfig, str | None]:
+    """training.resume=auto: the save directory's latest complete checkpoint replaces training.load (everything
+    restored); -> (training, a line for the log, None when resume is off)."""
+    if training.resume != "auto":
+        return training, None
+    if training.save is None:
+        raise UserError(
+            "Config key 'training.resume' = 'auto' continues from training.save's latest checkpoint, but "
+            "training.save is not set. Set training.save=<dir> (where the checkpoints go), or training.resume=off."
+        )
+    save = Path(training.save).expanduser()
+    if not (save.is_dir() and complete_checkpoints(save)):
+        start = f"training.load ({training.load})" if training.load else "scratch"
+        return training, f"training.resume=auto: no complete checkpoint in {save} yet, starting from {start}"
+    checkpoint = find_checkpoint(save, what="training.resume=auto")
+    resumed = dataclasses.replace(training, load=str(save), load_format="dcp", no_load_optim=False, no_load_rng=False)
+    return resumed, f"training.resume=auto: continuing from {checkpoint} (replaces training.load={training.load})"
 
 
 def check_save_targets(training: TrainingConfig) -> None:
@@ -320,8 +340,10 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         trainer_state: dict[str, Any],
         rng_state: dict[str, Any],
+        sync: bool = False,
     ) -> float:
-        """Write checkpoint `step` (collective); returns the seconds the caller was blocked."""
+        """Write checkpoint `step` (collective; `sync`: in the call even with async_save, e.g. before a preemption
+        exit); returns the seconds the caller was blocked."""
         start = time.perf_counter()
         self.wait()
         tmp = self.save_dir / f"{checkpoint_name(step)}{TMP_SUFFIX}"
@@ -332,17 +354,18 @@ class Checkpointer:
         dist.barrier()
         torch.save(rng_state, rng_file(tmp, self.rank))
         state = model_and_optimizer_state(model, optimizer)
-        if self.async_save:
+        background = self.async_save and not sync
+        if background:
             future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
             self._pending = _Pending(step, tmp, future, start)
         else:
             # DCP's final step is the barrier: rank 0 writes .metadata only after every rank reported its files.
             dcp.save(state, checkpoint_id=tmp)
-            self._publish(step, tmp, start)
+            self._publish(step, tmp, start, background=False)
         blocked = time.perf_counter() - start
         self.blocked_s += blocked
         self.last_step = step
-        if self.async_save:
+        if background:
             self.log.info(
                 "checkpoint step %d: staged, writing in the background; step loop blocked %.3f s", step, blocked
             )
@@ -363,9 +386,9 @@ class Checkpointer:
     def _complete(self) -> None:
         pending, self._pending = self._pending, None
         pending.future.result()  # rank 0's future ends after every rank's files are written (DCP's finish step)
-        self._publish(pending.step, pending.tmp, pending.started)
+        self._publish(pending.step, pending.tmp, pending.started, background=True)
 
-    def _publish(self, step: int, tmp: Path, started: float) -> None:
+    def _publish(self, step: int, tmp: Path, started: float, background: bool) -> None:
         """Rank 0: rename `step_N.tmp` to `step_N`, then point `latest` at it and prune."""
         if self.rank != 0:
             return
@@ -381,7 +404,7 @@ class Checkpointer:
             "checkpoint saved: %s (%.2f s%s)%s",
             final,
             time.perf_counter() - started,
-            ", background write" if self.async_save else "",
+            ", background write" if background else "",
             f"; removed {', '.join(removed)}" if removed else "",
         )
 

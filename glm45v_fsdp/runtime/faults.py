@@ -1,0 +1,56 @@
+"""A test knob that makes one rank fail at one step: GLM45V_FAULT="RANK:STEP:KIND[:MARKER]".
+
+KIND: `exception` (a RuntimeError), `sigkill` (os.kill(getpid(), SIGKILL): an out-of-memory kill looks the same) or
+`sigterm` (SIGTERM then SIGUSR1 to itself: a preemption, and a second signal during the save). The fault fires after
+step STEP is recorded on rank RANK. With MARKER (a file path) it fires only while that file does not exist, and
+creates it first, so a restarted job (torchrun --max-restarts, Slurm --requeue) runs on. For tests and drills only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.log import get_logger
+
+ENV_FAULT = "GLM45V_FAULT"
+KINDS = ("exception", "sigkill", "sigterm")
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    kind: str
+    marker: Path | None
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | os._Environ = os.environ) -> Fault | None:
+        value = environ.get(ENV_FAULT)
+        if not value:
+            return None
+        parts = value.split(":", 3)
+        if len(parts) < 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in KINDS:
+            raise UserError(
+                f"{ENV_FAULT}={value!r} is not RANK:STEP:KIND[:MARKER] with KIND one of {', '.join(KINDS)} "
+                f"(e.g. {ENV_FAULT}=1:5:sigkill). Unset it to train normally."
+            )
+        return cls(int(parts[0]), int(parts[1]), parts[2], Path(parts[3]) if len(parts) == 4 else None)
+
+    def maybe_fire(self, rank: int, step: int) -> None:
+        if rank != self.rank or step != self.step:
+            return
+        if self.marker is not None:
+            if self.marker.exists():
+                return
+            self.marker.touch()
+        get_logger().warning("%s: injecting a %s on rank %d after step %d", ENV_FAULT, self.kind, rank, step)
+        if self.kind == "exception":
+            raise RuntimeError(f"{ENV_FAULT}: injected failure on rank {rank} after step {step}")
+        if self.kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGUSR1)

@@ -1,0 +1,86 @@
+"""Jobs that survive the cluster, shown by injecting the fault (GLM45V_FAULT, glm45v_fsdp/runtime/faults.py).
+
+- Preemption: SIGTERM (then SIGUSR1, ignored) on rank 1 of 2 after step 4, async saves on: every rank finishes
+  step 5, a synchronous checkpoint of step 5 is published as `latest`, the ranks exit 143; `training.resume=auto`
+  then continues and steps 6-10 equal the straight run's.
+- Auto-resume: `torchrun --max-restarts 1` with rank 1 SIGKILLed after step 5 and a checkpoint every 4 steps: the
+  job restarts, resumes from step 4 by itself and ends at step 10 with exit 0; metrics.jsonl holds each step once
+  and every loss equals the straight run's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import PARITY, REPO, clean_env, free_port, read_metrics, train
+
+STEPS = 10
+BASE = [*[o for o in PARITY if not o.startswith("training.train_iters")], f"training.train_iters={STEPS}"]
+
+
+def losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("straight")
+    result = train(out, BASE, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return losses(read_metrics(out))
+
+
+def test_preemption_saves_and_resume_continues_exactly(tmp_path, straight):
+    save, out = tmp_path / "save", tmp_path / "out"
+    overrides = [*BASE, f"training.save={save}", "training.save_interval=3", "training.async_save=true"]
+    overrides.append("training.resume=auto")
+    preempted = train(out, overrides, nproc=2, env={**clean_env(), "GLM45V_FAULT": "1:4:sigterm"})
+    assert preempted.returncode != 0  # the ranks exit 143; torchrun reports the failed group
+    log = preempted.stdout + preempted.stderr
+    assert "SIGTERM received: finishing the step in flight" in log
+    assert "SIGUSR1 received while already stopping for SIGTERM: ignored" in log
+    assert "preemption signal on rank(s) [1]: stopping after step 5" in log
+    assert "glm45v-train: preempted at step 5 of 10" in log
+    assert (save / "latest").read_text().strip() == "step_00000005"
+    assert (save / "step_00000005" / ".metadata").is_file()  # complete, though async saves were on
+    assert not list(save.glob("*.tmp"))
+    resumed = train(out, overrides, nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "training.resume=auto: continuing from" in resumed.stdout + resumed.stderr
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for step, loss in losses(records).items():
+        assert loss == pytest.approx(straight[step], rel=1e-6), step
+
+
+def test_torchrun_restart_resumes_by_itself(tmp_path, straight):
+    save, out, marker = tmp_path / "save", tmp_path / "out", tmp_path / "fired"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1"]
+    command += ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "glm45v_fsdp.train"]
+    command += [f"training.output_dir={out}", "training.progress_bar=false", *BASE]
+    command += [f"training.save={save}", "training.save_interval=4", "training.resume=auto"]
+    env = {**clean_env(), "GLM45V_FAULT": f"1:5:sigkill:{marker}"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    assert marker.exists() and "injecting a sigkill on rank 1 after step 5" in log
+    assert "training.resume=auto: continuing from" in log and "step_00000004" in log
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once
+    for step, loss in losses(records).items():
+        assert loss == pytest.approx(straight[step], rel=1e-6), step
+    assert json.loads((out / "summary.json").read_text())  # the restarted run finished the job
+
+
+def test_fault_knob_is_checked():
+    from glm45v_fsdp.errors import UserError
+    from glm45v_fsdp.runtime.faults import Fault
+
+    assert Fault.from_env({}) is None
+    assert Fault.from_env({"GLM45V_FAULT": "1:5:sigkill:/tmp/m"}) == Fault(1, 5, "sigkill", Path("/tmp/m"))
+    with pytest.raises(UserError, match="RANK:STEP:KIND"):
+        Fault.from_env({"GLM45V_FAULT": "1:five:sigkill"})
