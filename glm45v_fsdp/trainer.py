@@ -116,10 +116,10 @@ class Trainer:
         if runtime.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_yaml(config))
-        self.checkpointer = Checkpointer(training, runtime.env.rank) if training.save else None
+        self.fault = Fault.from_env()
+        self.checkpointer = Checkpointer(training, runtime.env.rank, self.fault) if training.save else None
         self.preemption = PreemptionWatch()
         self.preempted_ranks: list[int] = []  # ranks that got a preemption signal, known to all after a step
-        self.fault = Fault.from_env()
         self.dumper = (
             BatchDumper(self.output_dir, runtime.env.rank, training.dump_batches) if training.dump_batches else None
         )

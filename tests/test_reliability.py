@@ -6,11 +6,15 @@
 - Auto-resume: `torchrun --max-restarts 1` with rank 1 SIGKILLed after step 5 and a checkpoint every 4 steps: the
   job restarts, resumes from step 4 by itself and ends at step 10 with exit 0; metrics.jsonl holds each step once
   and every loss equals the straight run's.
+- Integrity: `kill -9` of the whole job in the middle of a save (sync and async): the previous checkpoint stays
+  `latest` and resumes exactly. Damaged files of a published checkpoint (truncated, missing, not a checkpoint):
+  an error that names the file and the previous checkpoint, exit 2, no traceback.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +88,64 @@ def test_fault_knob_is_checked():
     assert Fault.from_env({"GLM45V_FAULT": "1:5:sigkill:/tmp/m"}) == Fault(1, 5, "sigkill", Path("/tmp/m"))
     with pytest.raises(UserError, match="RANK:STEP:KIND"):
         Fault.from_env({"GLM45V_FAULT": "1:five:sigkill"})
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path, straight, async_save):
+    save, out = tmp_path / "save", tmp_path / "out"
+    overrides = [*BASE, f"training.save={save}", "training.save_interval=3", f"training.async_save={async_save}"]
+    overrides.append("training.resume=auto")
+    killed = train(out, overrides, nproc=2, env={**clean_env(), "GLM45V_FAULT": "*:6:sigkill_save"})
+    assert killed.returncode != 0 and "injecting a sigkill_save" in killed.stdout + killed.stderr
+    assert (save / "latest").read_text().strip() == "step_00000003"
+    assert (save / "step_00000006.tmp").is_dir() and not (save / "step_00000006").exists()
+    resumed = train(out, overrides, nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "continuing from" in resumed.stdout + resumed.stderr and "step_00000003" in resumed.stdout + resumed.stderr
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for step, loss in losses(records).items():
+        assert loss == pytest.approx(straight[step], rel=1e-6), step
+    assert not list(save.glob("*.tmp"))  # the next save removed the interrupted one
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    """A save directory with complete checkpoints at steps 2 and 4 (one process)."""
+    root = tmp_path_factory.mktemp("two")
+    result = train(
+        root / "out", [*BASE, "training.train_iters=4", f"training.save={root / 'save'}", "training.save_interval=2"]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "save"
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        ("truncate", "__0_0.distcp is truncated"),
+        ("remove", "__0_0.distcp is missing"),
+        ("metadata", ".metadata is not readable DCP metadata"),
+        ("state", "trainer_state.pt cannot be read"),
+        ("rng", "rank0.pt cannot be read"),
+    ],
+)
+def test_damaged_checkpoint_names_the_file_and_the_way_out(tmp_path, two_checkpoints, damage, named):
+    save = tmp_path / "save"
+    shutil.copytree(two_checkpoints, save)
+    newest = save / "step_00000004"
+    data = newest / "__0_0.distcp"
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:100])
+    elif damage == "remove":
+        data.unlink()
+    elif damage == "metadata":
+        (newest / ".metadata").write_text("not a checkpoint")
+    elif damage == "state":
+        (newest / "trainer_state.pt").write_bytes(b"\x00" * 10)
+    else:
+        (newest / "rng" / "rank0.pt").write_bytes(b"")
+    result = train(tmp_path / "out", [*BASE, "training.train_iters=6", f"training.load={save}"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"checkpoint {newest} is damaged: {newest}" in result.stderr and named in result.stderr
+    assert f"training.load={save / 'step_00000002'}" in result.stderr

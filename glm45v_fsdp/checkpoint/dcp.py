@@ -50,6 +50,7 @@ from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.metrics import check_writable_dir
+from glm45v_fsdp.runtime.faults import Fault
 
 TMP_SUFFIX = ".tmp"
 LATEST_FILE = "latest"
@@ -78,14 +79,65 @@ def complete_checkpoints(save_dir: Path) -> list[Path]:
     return sorted(found, key=lambda path: int(_STEP_DIR.match(path.name)[1]))
 
 
+def _step_of(path: Path) -> int:
+    match = _STEP_DIR.match(path.name)
+    return int(match[1]) if match else -1
+
+
+def _damage(checkpoint: Path) -> str | None:
+    """What is wrong with a published checkpoint's files (file system only); None when nothing is."""
+    for required in (METADATA_FILE, TRAINER_STATE_FILE):
+        if not (checkpoint / required).is_file():
+            return f"{checkpoint / required} is missing"
+    try:
+        metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    except Exception as error:  # any unpickling failure: the file is not DCP metadata
+        return f"{checkpoint / METADATA_FILE} is not readable DCP metadata ({type(error).__name__})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = checkpoint / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size < size:
+            return f"{file} is truncated ({file.stat().st_size} bytes, the metadata needs {size})"
+    for file in [checkpoint / TRAINER_STATE_FILE, *sorted((checkpoint / RNG_DIR).glob("*.pt"))]:
+        try:
+            torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as error:
+            return f"{file} cannot be read ({type(error).__name__})"
+    return None
+
+
+def check_checkpoint_files(checkpoint: Path, what: str = "Config key 'training.load'") -> None:
+    """A checkpoint damaged after it was published (truncated, missing or foreign files): a UserError that names
+    the file and the way out (the previous complete checkpoint), before any collective or unpickling traceback."""
+    problem = _damage(checkpoint)
+    if problem is None:
+        return
+    earlier = [p for p in complete_checkpoints(checkpoint.parent) if _step_of(p) < _step_of(checkpoint)]
+    earlier = [p for p in earlier if _damage(p) is None]
+    way_out = (
+        f"Resume from the previous checkpoint instead: training.load={earlier[-1]} (with training.resume=off)"
+        if earlier
+        else f"No earlier intact checkpoint is in {checkpoint.parent}: restore the files, or start over "
+        "(training.load=null)"
+    )
+    raise UserError(f"{what}: checkpoint {checkpoint} is damaged: {problem}. {way_out}.")
+
+
 def find_checkpoint(path: Path, what: str = "Config key 'training.load'") -> Path:
     """`path` itself when it is a complete checkpoint; for a save directory the one `latest` names when that is
-    complete, else its highest complete step. `what` names the setting in the error."""
-    if is_complete(path):
+    complete, else its highest complete step. `what` names the setting in the error. A checkpoint that `latest`
+    names, or `path` itself, with its files damaged is an error (check_checkpoint_files), not a silent fallback."""
+    if _STEP_DIR.match(path.name) and ((path / RNG_DIR).is_dir() or is_complete(path)):
+        check_checkpoint_files(path, what)
         return path
     latest = path / LATEST_FILE
     named = path / latest.read_text().strip() if latest.is_file() else None
-    if named is not None and is_complete(named):
+    if named is not None and named.is_dir():
+        check_checkpoint_files(named, what)
         return named
     found = complete_checkpoints(path)
     if found:
@@ -109,6 +161,7 @@ def is_weights_only(path: Path) -> bool:
         not path.name.endswith(TMP_SUFFIX)
         and (path / METADATA_FILE).is_file()
         and not (path / TRAINER_STATE_FILE).is_file()
+        and not (path / RNG_DIR).is_dir()  # a training checkpoint that lost its trainer state is damaged
     )
 
 
@@ -313,8 +366,9 @@ class Checkpointer:
     waited for before the next one starts and at the end (`wait`), and rank 0 publishes it as soon as it is done.
     """
 
-    def __init__(self, training: TrainingConfig, rank: int) -> None:
+    def __init__(self, training: TrainingConfig, rank: int, fault: Fault | None = None) -> None:
         assert training.save is not None
+        self.fault = fault  # GLM45V_FAULT's sigkill_save fires between writing and publishing
         self.save_dir = Path(training.save).expanduser()
         self.interval = training.save_interval
         self.keep_last = training.save_keep_last
@@ -358,9 +412,13 @@ class Checkpointer:
         if background:
             future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
             self._pending = _Pending(step, tmp, future, start)
+            if self.fault is not None:
+                self.fault.maybe_fire(self.rank, step, in_save=True)
         else:
             # DCP's final step is the barrier: rank 0 writes .metadata only after every rank reported its files.
             dcp.save(state, checkpoint_id=tmp)
+            if self.fault is not None:
+                self.fault.maybe_fire(self.rank, step, in_save=True)
             self._publish(step, tmp, start, background=False)
         blocked = time.perf_counter() - start
         self.blocked_s += blocked

@@ -1,9 +1,11 @@
-"""A test knob that makes one rank fail at one step: GLM45V_FAULT="RANK:STEP:KIND[:MARKER]".
+"""A test knob that makes a rank fail at one step: GLM45V_FAULT="RANK:STEP:KIND[:MARKER]" (RANK `*`: every rank).
 
-KIND: `exception` (a RuntimeError), `sigkill` (os.kill(getpid(), SIGKILL): an out-of-memory kill looks the same) or
-`sigterm` (SIGTERM then SIGUSR1 to itself: a preemption, and a second signal during the save). The fault fires after
-step STEP is recorded on rank RANK. With MARKER (a file path) it fires only while that file does not exist, and
-creates it first, so a restarted job (torchrun --max-restarts, Slurm --requeue) runs on. For tests and drills only.
+KIND: `exception` (a RuntimeError), `sigkill` (os.kill(getpid(), SIGKILL): an out-of-memory kill looks the same),
+`sigterm` (SIGTERM then SIGUSR1 to itself: a preemption, and a second signal during the save), all after step STEP
+is recorded; or `sigkill_save`: SIGKILL inside the checkpoint save of step STEP, after its files are written (or,
+with async_save, staged) and before it is published — with RANK `*`, a `kill -9` of the whole job mid-save. With
+MARKER (a file path) it fires only while that file does not exist, and creates it first, so a restarted job
+(torchrun --max-restarts, Slurm --requeue) runs on. For tests and drills only.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger
 
 ENV_FAULT = "GLM45V_FAULT"
-KINDS = ("exception", "sigkill", "sigterm")
+KINDS = ("exception", "sigkill", "sigterm", "sigkill_save")
 
 
 @dataclass(frozen=True)
 class Fault:
-    rank: int
+    rank: int | None  # None: every rank
     step: int
     kind: str
     marker: Path | None
@@ -33,15 +35,18 @@ class Fault:
         if not value:
             return None
         parts = value.split(":", 3)
-        if len(parts) < 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in KINDS:
+        rank_ok = len(parts) >= 3 and (parts[0].isdigit() or parts[0] == "*")
+        if not rank_ok or not parts[1].isdigit() or parts[2] not in KINDS:
             raise UserError(
                 f"{ENV_FAULT}={value!r} is not RANK:STEP:KIND[:MARKER] with KIND one of {', '.join(KINDS)} "
                 f"(e.g. {ENV_FAULT}=1:5:sigkill). Unset it to train normally."
             )
-        return cls(int(parts[0]), int(parts[1]), parts[2], Path(parts[3]) if len(parts) == 4 else None)
+        rank = None if parts[0] == "*" else int(parts[0])
+        return cls(rank, int(parts[1]), parts[2], Path(parts[3]) if len(parts) == 4 else None)
 
-    def maybe_fire(self, rank: int, step: int) -> None:
-        if rank != self.rank or step != self.step:
+    def maybe_fire(self, rank: int, step: int, in_save: bool = False) -> None:
+        """Called after each step's record and (in_save) inside each checkpoint save."""
+        if (self.kind == "sigkill_save") != in_save or self.rank not in (None, rank) or step != self.step:
             return
         if self.marker is not None:
             if self.marker.exists():
@@ -50,7 +55,7 @@ class Fault:
         get_logger().warning("%s: injecting a %s on rank %d after step %d", ENV_FAULT, self.kind, rank, step)
         if self.kind == "exception":
             raise RuntimeError(f"{ENV_FAULT}: injected failure on rank {rank} after step {step}")
-        if self.kind == "sigkill":
+        if self.kind in ("sigkill", "sigkill_save"):
             os.kill(os.getpid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGUSR1)
