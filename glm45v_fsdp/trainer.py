@@ -305,6 +305,8 @@ class Trainer:
             if self.chunk_head is not None:
                 self.chunk_trace.append(self.chunk_head.last_choice)
             scale = micro_loss_scale(training.loss_type, valid, global_valid_tensor, accumulation, self.runtime.dp_size)
+            if self.fault is not None:  # GLM45V_FAULT=R:S:nan
+                scale = scale * self.fault.loss_factor(self.runtime.env.rank, self.step + 1)
             (ce_sum * (scale * loss_scale)).backward()
             report_loss += (ce_sum.detach() * scale).double()
         self.sequence_layout.reduce(report_loss)  # CP: each rank holds the CE of its part of the sequence

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import PARITY, REPO, clean_env, free_port, read_metrics, train
 
 STEPS = 10
@@ -149,3 +150,23 @@ def test_damaged_checkpoint_names_the_file_and_the_way_out(tmp_path, two_checkpo
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"checkpoint {newest} is damaged: {newest}" in result.stderr and named in result.stderr
     assert f"training.load={save / 'step_00000002'}" in result.stderr
+
+
+def test_a_nonfinite_step_never_reaches_a_checkpoint(tmp_path):
+    """NaN loss at step 3 (GLM45V_FAULT=0:3:nan) with a checkpoint every step: skipped, its checkpoint holds step 2's
+    weights; with training.on_nonfinite=stop the run ends (exit 3) and step 2 stays the latest checkpoint."""
+    from glm45v_fsdp.checkpoint.dcp import read_model_tensors
+
+    env = {**clean_env(), "GLM45V_FAULT": "0:3:nan"}
+    save = tmp_path / "save"
+    common = [*BASE, "training.train_iters=4", "training.save_interval=1"]
+    skipped = train(tmp_path / "skip", [*common, f"training.save={save}"], env=env)
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert [r["skipped"] for r in read_metrics(tmp_path / "skip")] == [False, False, True, False]
+    before, nan_step = read_model_tensors(save / "step_00000002"), read_model_tensors(save / "step_00000003")
+    assert before.keys() == nan_step.keys()
+    assert all(torch.equal(before[key], nan_step[key]) and torch.isfinite(nan_step[key]).all() for key in before)
+    stop = tmp_path / "stop_save"
+    stopped = train(tmp_path / "stop", [*common, f"training.save={stop}", "training.on_nonfinite=stop"], env=env)
+    assert stopped.returncode == 3 and "non-finite loss nan" in stopped.stderr
+    assert (stop / "latest").read_text().strip() == "step_00000002" and not (stop / "step_00000003").exists()

@@ -1,10 +1,14 @@
 """A test knob that makes a rank fail at one step: GLM45V_FAULT="RANK:STEP:KIND[:MARKER]" (RANK `*`: every rank).
 
-KIND: `exception` (a RuntimeError), `sigkill` (os.kill(getpid(), SIGKILL): an out-of-memory kill looks the same),
-`sigterm` (SIGTERM then SIGUSR1 to itself: a preemption, and a second signal during the save), all after step STEP
-is recorded; or `sigkill_save`: SIGKILL inside the checkpoint save of step STEP, after its files are written (or,
-with async_save, staged) and before it is published — with RANK `*`, a `kill -9` of the whole job mid-save. With
-MARKER (a file path) it fires only while that file does not exist, and creates it first, so a restarted job
+KIND, after step STEP is recorded on rank RANK:
+  - `exception`: a RuntimeError;
+  - `sigkill`: os.kill(getpid(), SIGKILL) (an out-of-memory kill looks the same);
+  - `sigterm`: SIGTERM then SIGUSR1 to itself (a preemption, and a second signal during the save).
+Or, during step STEP:
+  - `nan`: the step's loss on rank RANK becomes NaN (its gradients too);
+  - `sigkill_save`: SIGKILL inside the checkpoint save of step STEP, after its files are written (with async_save:
+    staged) and before it is published; with RANK `*`, a `kill -9` of the whole job mid-save.
+With MARKER (a file path) it fires only while that file does not exist, and creates it first, so a restarted job
 (torchrun --max-restarts, Slurm --requeue) runs on. For tests and drills only.
 """
 
@@ -19,7 +23,7 @@ from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger
 
 ENV_FAULT = "GLM45V_FAULT"
-KINDS = ("exception", "sigkill", "sigterm", "sigkill_save")
+KINDS = ("exception", "sigkill", "sigterm", "sigkill_save", "nan")
 
 
 @dataclass(frozen=True)
@@ -44,9 +48,16 @@ class Fault:
         rank = None if parts[0] == "*" else int(parts[0])
         return cls(rank, int(parts[1]), parts[2], Path(parts[3]) if len(parts) == 4 else None)
 
+    def loss_factor(self, rank: int, step: int) -> float:
+        """1.0, or NaN for the `nan` fault's rank and step (the trainer multiplies the step's loss by it)."""
+        hit = self.kind == "nan" and self.rank in (None, rank) and step == self.step
+        return float("nan") if hit else 1.0
+
     def maybe_fire(self, rank: int, step: int, in_save: bool = False) -> None:
         """Called after each step's record and (in_save) inside each checkpoint save."""
-        if (self.kind == "sigkill_save") != in_save or self.rank not in (None, rank) or step != self.step:
+        if self.kind == "nan" or (self.kind == "sigkill_save") != in_save:
+            return
+        if self.rank not in (None, rank) or step != self.step:
             return
         if self.marker is not None:
             if self.marker.exists():
