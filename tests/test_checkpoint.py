@@ -287,10 +287,13 @@ def test_keep_last_unfinished_saves_and_latest(tmp_path):
 
 
 def _fake_checkpoint(save_dir: Path, step: int) -> Path:
+    """A small but intact checkpoint (find_checkpoint checks the files of the one it picks)."""
+    import torch.distributed.checkpoint as dcp
+
     path = save_dir / f"step_{step:08d}"
     path.mkdir(parents=True)
-    (path / ".metadata").write_bytes(b"")
-    (path / "trainer_state.pt").write_bytes(b"")
+    dcp.save({"x": torch.zeros(2)}, checkpoint_id=path, no_dist=True)
+    torch.save({"step": step}, path / "trainer_state.pt")
     return path
 
 

@@ -136,7 +136,7 @@ def find_checkpoint(path: Path, what: str = "Config key 'training.load'") -> Pat
         return path
     latest = path / LATEST_FILE
     named = path / latest.read_text().strip() if latest.is_file() else None
-    if named is not None and named.is_dir():
+    if named is not None and _STEP_DIR.match(named.name) and named.is_dir():  # never a `.tmp` save
         check_checkpoint_files(named, what)
         return named
     found = complete_checkpoints(path)
