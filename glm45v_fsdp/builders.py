@@ -65,7 +65,7 @@ def build_runtime(config: Config, local_rank_arg: int | None = None) -> Runtime:
     cpu_threads = configure_cpu_threads(env.local_world_size)
     device = select_device(config.training.device)
     set_deterministic(config.training.deterministic, device)  # before init: HCCL reads its variable at init
-    init_distributed(env, device)
+    init_distributed(env, device, peer_timeout_s=config.training.peer_timeout_s)
     set_seed(config.training.seed, device)
     meshes = ParallelMeshes(dims, device.type)
     return Runtime(device=device, env=env, dims=dims, meshes=meshes, cpu_threads=cpu_threads)

@@ -205,6 +205,9 @@ class TrainingConfig:
     seed: int = 1234
     deterministic: bool = False
     device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
+    # Fast failure (runtime/watchdog.py): a rank silent this long (killed, out of memory, node lost) ends the job;
+    # a rank that fails with an error ends it at once. 0 = off (the process-group timeout, 30 min, applies).
+    peer_timeout_s: float = 30.0
     output_dir: str = "output/glm45v_tiny"
     log_interval: int = 1
     progress_bar: bool = True

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from glm45v_fsdp.errors import Preempted, TrainingStopped, UserError, report_user_error
 from glm45v_fsdp.runtime.preemption import EXIT_PREEMPTED
+from glm45v_fsdp.runtime.watchdog import current_watchdog
 
 if TYPE_CHECKING:
     from torch import nn
@@ -185,18 +186,30 @@ def end_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def report_failure(error: BaseException) -> None:
+    """Tell the other ranks (runtime/watchdog.py) that this one is ending on an error, so none waits for it."""
+    watchdog = current_watchdog()
+    if watchdog is not None:
+        watchdog.report_failure(f"{type(error).__name__}: {str(error)[:300]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run, then end the process (a finished run exits through `end_process`); user errors return 2, a stop 3, a
     preemption 143 (after its checkpoint)."""
     try:
         run(sys.argv[1:] if argv is None else argv)
     except UserError as error:
+        report_failure(error)
         report_user_error("glm45v-train", error)
         return EXIT_USER_ERROR
     except TrainingStopped as error:
+        report_failure(error)
         print(f"glm45v-train: {error}", file=sys.stderr)
         return EXIT_STOPPED
-    except Preempted as error:
+    except Preempted as error:  # every rank stops at the same step: not a failure of one
+        watchdog = current_watchdog()
+        if watchdog is not None:
+            watchdog.finish()
         print(f"glm45v-train: {error}", file=sys.stderr)
         return EXIT_PREEMPTED
     end_process(0)

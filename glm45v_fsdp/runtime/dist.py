@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.runtime.device import DeviceLayer
+from glm45v_fsdp.runtime.watchdog import PEER_TIMEOUT_S, current_watchdog, start_watchdog
 
 DEFAULT_MASTER_PORT = 29500
 _SINGLE_PROCESS_ADDR = "127.0.0.1"
@@ -274,9 +275,12 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed(env: DistEnv, device: DeviceLayer, timeout_minutes: int = 30) -> None:
+def init_distributed(
+    env: DistEnv, device: DeviceLayer, timeout_minutes: int = 30, peer_timeout_s: float = PEER_TIMEOUT_S
+) -> None:
     """Export the torchrun-style variables, bind the device and create the default process group (also for one
-    process: FSDP2 and DeviceMesh need a group). A no-op when a group already exists."""
+    process: FSDP2 and DeviceMesh need a group), then start the fast-failure watchdog (runtime/watchdog.py) with
+    `peer_timeout_s` (0: none). A no-op when a group already exists."""
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
             raise RuntimeError(
@@ -294,13 +298,16 @@ def init_distributed(env: DistEnv, device: DeviceLayer, timeout_minutes: int = 3
         MASTER_PORT=str(port),
     )
     device.set_device(env.local_rank)
+    timeout = timedelta(minutes=timeout_minutes)
+    store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size, timeout=timeout))
+    # One key space per attempt: torchrun keeps its store across --max-restarts attempts, and a restarted group
+    # must not read the dead attempt's keys (gloo's peer addresses: "connectFullMesh failed ... Connection refused";
+    # the watchdog's failure report).
+    store = dist.PrefixStore(f"glm45v/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(
-        backend=device.backend,
-        init_method="env://",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(minutes=timeout_minutes),
+        backend=device.backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
+    start_watchdog(store, env.rank, env.world_size, peer_timeout_s)
 
 
 def shutdown(finished: bool = False) -> None:
@@ -312,6 +319,9 @@ def shutdown(finished: bool = False) -> None:
     exception", seen in about 1 of 30 multi-rank runs, after all outputs were written); ending the process without
     that teardown cannot. On error paths a barrier could wait for a rank that is gone, so there is none.
     """
+    watchdog = current_watchdog()
+    if finished and watchdog is not None:
+        watchdog.finish()  # before the last barrier: the store's host may exit first
     if not dist.is_initialized():
         return
     if finished:

@@ -63,7 +63,7 @@ class Fault:
             if self.marker.exists():
                 return
             self.marker.touch()
-        get_logger().warning("%s: injecting a %s on rank %d after step %d", ENV_FAULT, self.kind, rank, step)
+        get_logger().warning("%s: injecting %s on rank %d at step %d", ENV_FAULT, self.kind, rank, step)
         if self.kind == "exception":
             raise RuntimeError(f"{ENV_FAULT}: injected failure on rank {rank} after step {step}")
         if self.kind in ("sigkill", "sigkill_save"):

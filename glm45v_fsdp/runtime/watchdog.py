@@ -1,0 +1,134 @@
+"""Fast failure: a rank that dies ends every rank of the job within seconds, under any launcher (or none).
+
+Without this, the surviving ranks of a job whose launcher does not watch them (no launcher, srun without
+--kill-on-bad-exit, a Kubernetes pod per rank) wait in their next collective for the process-group timeout.
+
+Each rank runs a daemon thread on the job's rendezvous store (the default process group's, this attempt's keys):
+- it bumps its heartbeat key every `heartbeat_s`;
+- rank 0's thread reads every rank's heartbeat, and posts a rank that stayed silent for `peer_timeout_s` as failed
+  (SIGKILL, an out-of-memory kill, a lost node: nothing else can speak for it);
+- a rank that ends with an exception posts itself as failed first (`report_failure`, also from sys.excepthook);
+- every thread polls the failure key; when it is set, the rank logs which rank failed first and why, and exits
+  EXIT_PEER_FAILED at once. A store that stops answering (its host, rank 0 or the launcher's agent, is gone) is a
+  failure too.
+A rank that finished (`finish`) or is stopping on its own error (`disarm`) is never ended by its thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+from glm45v_fsdp.log import get_logger
+
+EXIT_PEER_FAILED = 4
+PEER_TIMEOUT_S = 30.0  # the default silence after which rank 0 declares a rank dead
+
+
+class Watchdog:
+    def __init__(
+        self, store: Any, rank: int, world: int, peer_timeout_s: float, poll_s: float = 0.5, heartbeat_s: float = 1.0
+    ) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        # the store is the job's, one key space per restart attempt (runtime/dist.py init_distributed)
+        self.failed_key = "watchdog/failed"
+        self.heartbeat_keys = [f"watchdog/heartbeat/{r}" for r in range(world)]
+        self.done_keys = [f"watchdog/done/{r}" for r in range(world)]
+        self.peer_timeout_s, self.poll_s, self.heartbeat_s = peer_timeout_s, poll_s, heartbeat_s
+        self._armed = threading.Event()
+        self._armed.set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="glm45v-watchdog", daemon=True)
+        self._previous_hook = sys.excepthook
+
+    def start(self) -> Watchdog:
+        self.store.set(self.heartbeat_keys[self.rank], "0")
+        sys.excepthook = self._excepthook
+        self._thread.start()
+        return self
+
+    def report_failure(self, reason: str) -> None:
+        """Tell every rank that this one is failing (the first report wins); this rank's own thread stands down."""
+        self.disarm()
+        try:
+            self.store.compare_set(self.failed_key, "", f"rank {self.rank}: {reason}")
+        except Exception:  # the store is gone as well: the others find out through it
+            pass
+
+    def disarm(self) -> None:
+        """This rank is ending on its own terms (an error it reports itself): never end it from the thread."""
+        self._armed.clear()
+
+    def finish(self) -> None:
+        """A normal end: rank 0 stops expecting heartbeats from this rank, and the thread stops."""
+        self.disarm()
+        self._stop.set()
+        try:
+            self.store.set(self.done_keys[self.rank], "1")
+        except Exception:
+            pass
+
+    def _excepthook(self, kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+        self.report_failure(f"{kind.__name__}: {error}")
+        self._previous_hook(kind, error, trace)
+
+    def _end(self, reason: str) -> None:
+        if not self._armed.is_set():
+            return
+        get_logger().error("ending this rank (exit %d): %s", EXIT_PEER_FAILED, reason)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_PEER_FAILED)
+
+    def _run(self) -> None:
+        beats, next_beat = 0, 0.0
+        heard: dict[int, tuple[str, float]] = {}  # rank 0: last heartbeat value and when it changed
+        while not self._stop.wait(self.poll_s):
+            now = time.monotonic()
+            try:
+                if now >= next_beat:
+                    beats += 1
+                    self.store.set(self.heartbeat_keys[self.rank], str(beats))
+                    next_beat = now + self.heartbeat_s
+                if self.store.check([self.failed_key]):
+                    self._end(f"another rank failed first: {self.store.get(self.failed_key).decode()}")
+                if self.rank == 0:
+                    self._check_heartbeats(heard, now)
+            except Exception as error:
+                if self._stop.is_set():
+                    return
+                self._end(f"the rendezvous store stopped answering ({type(error).__name__}): its host is gone")
+
+    def _check_heartbeats(self, heard: dict[int, tuple[str, float]], now: float) -> None:
+        for rank, key in enumerate(self.heartbeat_keys):
+            value = self.store.get(key) if self.store.check([key]) else b""  # b"": its thread has not started yet
+            last = heard.get(rank)
+            if last is None or last[0] != value:
+                heard[rank] = (value, now)
+            elif now - last[1] > self.peer_timeout_s and not self.store.check([self.done_keys[rank]]):
+                silent = now - last[1]
+                self.store.compare_set(
+                    self.failed_key,
+                    "",
+                    f"rank {rank}: no heartbeat for {silent:.0f} s (killed, out of memory, or its node is lost)",
+                )
+                heard[rank] = (value, float("inf"))  # reported once
+
+
+_watchdog: Watchdog | None = None
+
+
+def start_watchdog(store: Any, rank: int, world: int, peer_timeout_s: float) -> Watchdog | None:
+    """The process's watchdog (one per process), for a job of several ranks; peer_timeout_s <= 0: none."""
+    global _watchdog
+    if world > 1 and peer_timeout_s > 0 and _watchdog is None:
+        _watchdog = Watchdog(store, rank, world, peer_timeout_s).start()
+    return _watchdog
+
+
+def current_watchdog() -> Watchdog | None:
+    return _watchdog
