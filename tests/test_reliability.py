@@ -133,6 +133,11 @@ def two_checkpoints(tmp_path_factory) -> Path:
     ],
 )
 def test_damaged_checkpoint_names_the_file_and_the_way_out(tmp_path, two_checkpoints, damage, named):
+    """In process for each kind of damage (find_checkpoint, what training.load and resume=auto go through); the
+    truncated shard also through the trainer: exit 2, one paragraph, no traceback."""
+    from glm45v_fsdp.checkpoint.dcp import find_checkpoint
+    from glm45v_fsdp.errors import UserError
+
     save = tmp_path / "save"
     shutil.copytree(two_checkpoints, save)
     newest = save / "step_00000004"
@@ -147,10 +152,15 @@ def test_damaged_checkpoint_names_the_file_and_the_way_out(tmp_path, two_checkpo
         (newest / "trainer_state.pt").write_bytes(b"\x00" * 10)
     else:
         (newest / "rng" / "rank0.pt").write_bytes(b"")
-    result = train(tmp_path / "out", [*BASE, "training.train_iters=6", f"training.load={save}"])
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert f"checkpoint {newest} is damaged: {newest}" in result.stderr and named in result.stderr
-    assert f"training.load={save / 'step_00000002'}" in result.stderr
+    with pytest.raises(UserError) as error:
+        find_checkpoint(save)
+    message = str(error.value)
+    assert f"checkpoint {newest} is damaged: {newest}" in message and named in message
+    assert f"training.load={save / 'step_00000002'}" in message
+    if damage == "truncate":
+        result = train(tmp_path / "out", [*BASE, "training.train_iters=6", f"training.load={save}"])
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert message in result.stderr
 
 
 def test_a_nonfinite_step_never_reaches_a_checkpoint(tmp_path):
