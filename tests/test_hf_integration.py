@@ -156,10 +156,15 @@ def _tiny_mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
 
 
-def _zero_init_worker(rank: int, port: int) -> None:
+def _join_two_ranks(rank: int, port: int) -> None:
+    """A spawned worker's process group (2 gloo ranks) and the launcher variables the engine reads."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+
+def _zero_init_worker(rank: int, port: int) -> None:
+    _join_two_ranks(rank, port)
     import ds_compat
     from ds_compat import zero
 
@@ -198,9 +203,7 @@ def test_zero_init_partitions_and_initialize_places_them():
 
 
 def _zero2_worker(rank: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    os.environ.update(MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _join_two_ranks(rank, port)
     import ds_compat
     from ds_compat.ops.adam import DeepSpeedCPUAdam
     from glm45v_fsdp.errors import UserError
