@@ -303,11 +303,15 @@ def init_distributed(
     # One key space per attempt: torchrun keeps its store across --max-restarts attempts, and a restarted group
     # must not read the dead attempt's keys (gloo's peer addresses: "connectFullMesh failed ... Connection refused";
     # the watchdog's failure report).
-    store = dist.PrefixStore(f"glm45v/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    attempt = f"glm45v/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = dist.PrefixStore(attempt, store)
     dist.init_process_group(
         backend=device.backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
-    start_watchdog(store, env.rank, env.world_size, peer_timeout_s)
+    if env.world_size > 1 and peer_timeout_s > 0:
+        # the watchdog thread gets a client connection of its own: the group's store object is the main thread's
+        client = dist.TCPStore(env.master_addr, port, is_master=False, timeout=timeout)
+        start_watchdog(dist.PrefixStore(attempt, client), env.rank, env.world_size, peer_timeout_s)
 
 
 def shutdown(finished: bool = False) -> None:

@@ -16,6 +16,7 @@ A rank that finished (`finish`) or is stopping on its own error (`disarm`) is ne
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -48,6 +49,7 @@ class Watchdog:
     def start(self) -> Watchdog:
         self.store.set(self.heartbeat_keys[self.rank], "0")
         sys.excepthook = self._excepthook
+        atexit.register(self.finish)  # a script that simply returns (the engine API) has finished, not failed
         self._thread.start()
         return self
 
