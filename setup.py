@@ -47,7 +47,8 @@ setup(
         "hjson>=3.0",  # ds_config files may be hjson, as DeepSpeed accepts
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.5", "tensorboard>=2.14"],
+        # accelerate: the HF Trainer / accelerate tests of the ds-fsdp switch (tests/test_hf_integration.py)
+        "test": ["pytest>=8", "ruff>=0.5", "tensorboard>=2.14", "accelerate>=1.10,<2"],
         "tensorboard": ["tensorboard>=2.14"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
         # torch_npu must match the installed torch and CANN; pin it with the version Ascend publishes for it.
