@@ -95,7 +95,7 @@ def _take_zero_init_partitions(model: nn.Module) -> dict[str, nn.Parameter]:
     return {
         name: param._zero_source
         for name, param in model.named_parameters(remove_duplicate=False)
-        if id(param) in {id(new) for new in replacement.values()}
+        if hasattr(param, "_zero_source")
     }
 
 

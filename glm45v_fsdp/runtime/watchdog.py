@@ -3,7 +3,7 @@
 Without this, the surviving ranks of a job whose launcher does not watch them (no launcher, srun without
 --kill-on-bad-exit, a Kubernetes pod per rank) wait in their next collective for the process-group timeout.
 
-Each rank runs a daemon thread on the job's rendezvous store (the default process group's, this attempt's keys):
+Each rank runs a daemon thread on the job's rendezvous store (a client connection of its own, this attempt's keys):
 - it bumps its heartbeat key every `heartbeat_s`;
 - rank 0's thread reads every rank's heartbeat, and posts a rank that stayed silent for `peer_timeout_s` as failed
   (SIGKILL, an out-of-memory kill, a lost node: nothing else can speak for it);
@@ -124,10 +124,10 @@ class Watchdog:
 _watchdog: Watchdog | None = None
 
 
-def start_watchdog(store: Any, rank: int, world: int, peer_timeout_s: float) -> Watchdog | None:
-    """The process's watchdog (one per process), for a job of several ranks; peer_timeout_s <= 0: none."""
+def start_watchdog(store: Any, rank: int, world: int, peer_timeout_s: float) -> Watchdog:
+    """The process's watchdog (one per process; init_distributed decides whether the job needs one)."""
     global _watchdog
-    if world > 1 and peer_timeout_s > 0 and _watchdog is None:
+    if _watchdog is None:
         _watchdog = Watchdog(store, rank, world, peer_timeout_s).start()
     return _watchdog
 
