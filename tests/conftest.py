@@ -125,3 +125,20 @@ def parity_off(tmp_path_factory) -> Callable[[int], list[dict]]:
         return cache[nproc]
 
     return records
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A real single-node Slurm cluster (tests/slurm_cluster.py) for the session; fails, never skips, when the
+    packages or root are missing."""
+    from slurm_cluster import SlurmCluster
+
+    reason = SlurmCluster.unavailable()
+    if reason is not None:
+        pytest.fail(f"cannot start a Slurm cluster: {reason}")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,17 +1,21 @@
 """One failing rank ends the whole job quickly, under every launcher installed here (docs/reliability.md).
 
 A 2-rank job (the tiny model, 40 steps) whose rank 1 fails after step 2 (GLM45V_FAULT: a Python exception or
-SIGKILL) under torchrun, the `deepspeed` launcher, `ds-fsdp` and no launcher at all (two processes started with the
-environment variables alone). Measured: the seconds from the fault (the knob's marker file) until every process
-of the job is gone, which must be at most 60; the job's exit status is non-zero. Without a launcher only the
-watchdog (glm45v_fsdp/runtime/watchdog.py) ends rank 0, and its log names the rank that failed first. The jobs run
-concurrently to keep the suite short; `training.peer_timeout_s=5` as an operator would shorten it for a drill.
+SIGKILL) under torchrun, the `deepspeed` launcher, `ds-fsdp`, `srun` (a real single-node Slurm cluster, without
+--kill-on-bad-exit), Open MPI's `mpirun` and no launcher at all (two processes started with the environment
+variables alone). Measured: the seconds from the fault (the knob's marker file) until every process of the job is
+gone (its process group, and any process whose command line names the job's output directory: srun's ranks run
+under slurmstepd), which must be at most 60; the job's exit status is non-zero. Without a launcher that watches
+the ranks only the watchdog (glm45v_fsdp/runtime/watchdog.py) ends rank 0, and its log names the rank that failed
+first. The jobs run concurrently to keep the suite short; `training.peer_timeout_s=5` as an operator would shorten
+it for a drill.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,12 +24,14 @@ from pathlib import Path
 import pytest
 from conftest import REPO, clean_env, free_port
 
-LAUNCHERS = ("torchrun", "deepspeed", "ds-fsdp", "none")
+LAUNCHERS = ("torchrun", "deepspeed", "ds-fsdp", "srun", "mpirun", "none")
+# Launchers that do not end the job when one rank fails: the watchdog must (their log names the failed rank).
+UNWATCHED = ("srun", "none")
 KINDS = ("exception", "sigkill")
 LIMIT_S = 60.0
 
 
-def job(launcher: str, kind: str, root: Path) -> dict:
+def job(launcher: str, kind: str, root: Path, slurm) -> dict:
     """Start the job (its own process group) and return what to wait for."""
     out = root / f"{launcher}_{kind}"
     out.mkdir(parents=True)
@@ -39,7 +45,15 @@ def job(launcher: str, kind: str, root: Path) -> dict:
         "deepspeed": ["deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port, "--module"],
         "ds-fsdp": ["ds_compat.launcher", "--num_gpus", "2", "--master_port", port, "--module"],
     }
-    if launcher == "none":
+    if launcher == "srun":  # MASTER_ADDR from SLURM_STEP_NODELIST; rank, size from SLURM_PROCID / SLURM_NTASKS
+        env.update(slurm.env(), MASTER_PORT=port)
+        srun = ["srun", "--nodes=1", "--ntasks=2", "--kill-on-bad-exit=0", f"--chdir={REPO}"]
+        commands = [([*srun, sys.executable, "-m", "glm45v_fsdp.train", *train], env, out / "job.log")]
+    elif launcher == "mpirun":  # rank, size from OMPI_COMM_WORLD_*; mpirun passes its environment to local ranks
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2"]
+        commands = [([*mpirun, sys.executable, "-m", "glm45v_fsdp.train", *train], env, out / "job.log")]
+    elif launcher == "none":
         ranks = [
             {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"} for r in range(2)
         ]
@@ -67,16 +81,32 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def processes_naming(text: str) -> list[int]:
+    """Pids of the processes whose command line contains `text` (a job's output directory)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:  # ended while we looked
+            continue
+    return pids
+
+
 @pytest.fixture(scope="module")
-def ended(tmp_path_factory) -> dict[tuple[str, str], dict]:
+def ended(tmp_path_factory, slurm) -> dict[tuple[str, str], dict]:
+    if shutil.which("mpirun") is None:
+        pytest.fail("Open MPI's mpirun is not installed: apt-get install -y openmpi-bin (.ci/system-packages does)")
     root = tmp_path_factory.mktemp("fast_failure")
-    jobs = [job(launcher, kind, root) for launcher in LAUNCHERS for kind in KINDS]
+    jobs = [job(launcher, kind, root, slurm) for launcher in LAUNCHERS for kind in KINDS]
     deadline = time.time() + 600
     results = {}
     while jobs and time.time() < deadline:
         for running in list(jobs):
             processes = running["processes"]
             if any(p.poll() is None for p in processes) or any(group_alive(p.pid) for p in processes):
+                continue
+            if processes_naming(str(running["out"] / "run")):
                 continue
             jobs.remove(running)
             fired = running["marker"].stat().st_mtime if running["marker"].exists() else None
@@ -90,6 +120,8 @@ def ended(tmp_path_factory) -> dict[tuple[str, str], dict]:
     for running in jobs:  # past the deadline: end them, and let the test fail
         for process in running["processes"]:
             os.killpg(process.pid, 9)
+        for pid in processes_naming(str(running["out"] / "run")):
+            os.kill(pid, 9)
         results[(running["launcher"], running["kind"])] = {"codes": [], "after_fault_s": None, "log": "hung"}
     print(json.dumps({f"{k[0]} {k[1]}": round(v["after_fault_s"] or -1, 1) for k, v in results.items()}))
     return results
@@ -102,7 +134,7 @@ def test_a_failing_rank_ends_the_job_within_a_minute(ended, launcher, kind):
     assert result["after_fault_s"] is not None, result["log"][-3000:]  # the fault fired (step 2 was reached)
     assert result["after_fault_s"] <= LIMIT_S, (result["after_fault_s"], result["log"][-3000:])
     assert any(code != 0 for code in result["codes"]), result["codes"]
-    if launcher == "none":  # nothing but the watchdog (or gloo seeing the socket close) can end rank 0
+    if launcher in UNWATCHED:  # nothing but the watchdog (or gloo seeing the socket close) can end rank 0
         assert "rank 1" in result["log"] and ("failed first" in result["log"] or "Connection" in result["log"])
 
 
