@@ -55,6 +55,13 @@ class DataConfig:
     synthetic_text_tokens: int = 64
     synthetic_images_per_sample: int = 1
     synthetic_image_size: int = 56
+    # A record that cannot be trained on (broken structure, an unreadable, truncated, empty or oversized image,
+    # nothing supervised after truncation), found when the data set is built: stop names the first one before
+    # step 1; skip trains without every such record and logs each (their count is in the log and the summary).
+    on_bad_record: Literal["stop", "skip"] = "stop"
+    # The largest image decoded at all (width x height, after JPEG's reduced-scale decoding); every image is then
+    # downscaled to the image processor's pixel budget. Larger images are bad records. Default: PIL's bomb limit.
+    max_image_pixels: int = 89_478_485
 
 
 @dataclass
@@ -622,6 +629,7 @@ def validate(config: Config) -> None:
         d.synthetic_images_per_sample,
         ">= 0",
     )
+    _require(d.max_image_pixels >= 1, "data.max_image_pixels", d.max_image_pixels, "a positive pixel count")
     _require(d.synthetic_image_size >= 28, "data.synthetic_image_size", d.synthetic_image_size, ">= 28 pixels")
     if d.dataset == "json":
         _require(d.data_path is not None, "data.data_path", d.data_path, "set when data.dataset is 'json'")

@@ -128,6 +128,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"P99 {summary['ms_per_iter_p99']:.1f} | {summary['samples_per_s']:.2f} samples/s | "
         f"{summary['tokens_per_s']:.0f} tokens/s | {memory} | loss {summary['loss_first']:.4f} -> "
         f"{summary['loss_last']:.4f} | skipped {summary['skipped_steps']}"
+        + (f" | {summary['skipped_records']} bad record(s) skipped" if summary.get("skipped_records") else "")
     )
 
 

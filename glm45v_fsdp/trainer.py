@@ -455,6 +455,8 @@ class Trainer:
             bar.close()
             waited = self.checkpointer.wait() if self.checkpointer is not None else 0.0
         summary = self._summary()
+        if summary:  # bad data records left out (data.on_bad_record=skip)
+            summary["skipped_records"] = self.loader.dataset.skipped_records
         if self.checkpointer is not None:
             self.log.info(
                 "checkpoints: step loop blocked %.3f s in total%s",

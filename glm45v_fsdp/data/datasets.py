@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -22,10 +23,13 @@ from PIL import Image, ImageDraw
 from torch.utils.data import Dataset
 
 from glm45v_fsdp.config import DataConfig
+from glm45v_fsdp.data.images import BadImage, load_image
 from glm45v_fsdp.data.processor import image_token_counts, process_images
 from glm45v_fsdp.data.template import IMAGE_TAG, encode_conversation, mrope_position_ids
 from glm45v_fsdp.data.vocab import supervised_token_count
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.runtime.dist import gather_objects, rank_and_world
 
 RESERVED_TOKENS = (
     "<|image|>",
@@ -40,6 +44,8 @@ ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant"
 
 class ImageTextDataset(Dataset):
     """Shared encoding of one (messages, images) sample; subclasses provide `__len__`, `conversation`, `describe`."""
+
+    skipped_records = 0  # bad records left out of the data set (data.on_bad_record=skip)
 
     def __init__(self, tokenizer, image_processor, cutoff_len: int, spatial_merge_size: int):
         self.tokenizer = tokenizer
@@ -219,27 +225,56 @@ class SyntheticImageTextDataset(ImageTextDataset):
 # --------------------------------------------------------------------------------------------------------------
 
 
+class _RecordError(Exception):
+    """A problem of one JSON record; the data set adds the record index and file path."""
+
+
 def _read_json_records(path: Path) -> list:
+    """The records of a .json list or a .jsonl file. A .jsonl line that is not UTF-8 or not JSON becomes a
+    _RecordError in its place (a bad record, which data.on_bad_record may skip); a .json file that cannot be parsed
+    is a UserError (no record can be told from another)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
+        raw = path.read_bytes()
+    except OSError as error:
         raise UserError(
             f"Data file '{path}' (data.data_path) cannot be read: {error}. Make it a readable UTF-8 .json or .jsonl "
             f"file, or point data.data_path at one."
         ) from None
+    if not raw.strip():
+        raise UserError(
+            f"Data file '{path}' (data.data_path) is empty ({len(raw)} bytes). Write records into it, or point "
+            f"data.data_path at the file that holds them."
+        )
     if path.suffix == ".jsonl":
-        records = []
-        for line_number, line in enumerate(text.splitlines(), start=1):
+        records: list = []
+        for line_number, line in enumerate(raw.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                records.append(json.loads(line.decode("utf-8")))
+            except UnicodeDecodeError as error:
+                records.append(
+                    _RecordError(
+                        f"line {line_number} is not UTF-8 text ({error.reason} at byte "
+                        f"{error.start}); re-encode the file as UTF-8"
+                    )
+                )
             except json.JSONDecodeError as error:
-                raise UserError(
-                    f"Line {line_number} of data file '{path}' (data.data_path) is not valid JSON: "
-                    f"{error}. Each line of a .jsonl file must be one JSON record."
-                ) from None
+                records.append(
+                    _RecordError(
+                        f"line {line_number} is not valid JSON ({error}); each line of a "
+                        f".jsonl file must be one JSON record"
+                    )
+                )
         return records
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(
+            f"Data file '{path}' (data.data_path) is not UTF-8 text ({error.reason} at byte {error.start}), so no "
+            f"record can be read from it (data.on_bad_record cannot skip part of a .json file). Re-encode it as "
+            f"UTF-8, or write it as .jsonl, where a bad line is one bad record."
+        ) from None
     try:
         records = json.loads(text)
     except json.JSONDecodeError as error:
@@ -255,12 +290,10 @@ def _read_json_records(path: Path) -> list:
     return records
 
 
-class _RecordError(Exception):
-    """A problem of one JSON record; the data set adds the record index and file path."""
-
-
 def _parse_record(record, image_root: Path) -> tuple[list[dict], list[Path]]:
     """Normalised (messages, image paths) of one record; a _RecordError's message names the problem and the fix."""
+    if isinstance(record, _RecordError):  # a .jsonl line that could not be read
+        raise record
     if not isinstance(record, dict):
         raise _RecordError(f"it is a {type(record).__name__}, not an object with 'conversations' or 'messages'")
     turns = record.get("conversations", record.get("messages"))
@@ -317,7 +350,14 @@ def _parse_record(record, image_root: Path) -> tuple[list[dict], list[Path]]:
 
 
 class JsonImageTextDataset(ImageTextDataset):
-    """Records of a .json list or a .jsonl file, all validated when the data set is built."""
+    """Records of a .json list or a .jsonl file, every one checked when the data set is built.
+
+    The check is the full encoding of each record (structure, images read and processed, tokenised, truncated),
+    split over the ranks of the default process group and gathered, so every rank knows every bad record before
+    step 1. `on_bad_record="stop"` raises a UserError naming the first bad record (its 0-based index in the file, the
+    file, the problem) and how many there are; `"skip"` trains on the good records only, logs each bad one and keeps
+    their count in `skipped_records`. Record indices in messages are always those of the file.
+    """
 
     def __init__(
         self,
@@ -327,6 +367,8 @@ class JsonImageTextDataset(ImageTextDataset):
         image_processor,
         cutoff_len: int,
         spatial_merge_size: int,
+        on_bad_record: str = "stop",
+        max_image_pixels: int = 89_478_485,
     ):
         super().__init__(tokenizer, image_processor, cutoff_len, spatial_merge_size)
         self.data_path = Path(data_path)
@@ -341,42 +383,101 @@ class JsonImageTextDataset(ImageTextDataset):
                 f"Config key 'data.image_root' = '{image_root}' is not a directory. Point it at the "
                 f"directory the records' image paths are relative to, or set it to null."
             )
-        self.records = []
-        for index, record in enumerate(_read_json_records(self.data_path)):
+        self.max_pixels = int(image_processor.size["longest_edge"])
+        self.max_image_pixels = max_image_pixels
+        # (index in the file, messages, image paths) of the records that parsed
+        self.records: list[tuple[int, list[dict], list[Path]]] = []
+        problems: dict[int, str] = {}
+        raw_records = _read_json_records(self.data_path)
+        for index, record in enumerate(raw_records):
             try:
-                self.records.append(_parse_record(record, root))
+                self.records.append((index, *_parse_record(record, root)))
             except _RecordError as error:
-                raise UserError(f"{self.describe(index)} is invalid: {error}.") from None
+                problems[index] = f"{self._record_name(index)} is invalid: {error}."
+        problems.update(self._encoding_problems())
+        self.total_records = len(raw_records)
+        self.skipped_records = len(problems)
+        self._apply(on_bad_record, problems)
+
+    def _encoding_problems(self) -> dict[int, str]:
+        """{file index: message} of the parsed records that fail to encode; this rank encodes every world-th one,
+        and the ranks' findings are gathered (collective when a process group exists)."""
+        rank, world = rank_and_world()
+        found = {}
+        start = time.perf_counter()
+        mine = range(rank, len(self.records), world)
+        for position in mine:
+            try:
+                self[position]
+            except UserError as error:
+                found[self.records[position][0]] = str(error)
+        get_logger().info(
+            "data: checked %d of %d records by encoding them (every %d-th on this rank) in %.2f s",
+            len(mine),
+            len(self.records),
+            world,
+            time.perf_counter() - start,
+        )
+        merged: dict[int, str] = {}
+        for part in gather_objects(found):
+            merged.update(part)
+        return merged
+
+    def _apply(self, on_bad_record: str, problems: dict[int, str]) -> None:
+        if not problems:
+            return
+        first = problems[min(problems)]
+        if on_bad_record == "stop":
+            raise UserError(
+                f"Data file '{self.data_path}' (data.data_path) has {len(problems)} bad record(s) of "
+                f"{self.total_records}, found before step 1. The first: {first} Fix or drop the bad records, or set "
+                f"data.on_bad_record=skip to train without them (each is then logged)."
+            )
+        self.records = [entry for entry in self.records if entry[0] not in problems]
+        log = get_logger()
+        for index in sorted(problems):
+            log.warning("data: skipping (data.on_bad_record=skip): %s", problems[index])
+        log.warning(
+            "data: skipped %d bad record(s) of %d in '%s' (data.on_bad_record=skip); training on %d",
+            len(problems),
+            self.total_records,
+            self.data_path,
+            len(self.records),
+        )
         if not self.records:
             raise UserError(
-                f"Data file '{self.data_path}' (data.data_path) holds no records. Add records or point "
-                f"data.data_path at another file."
+                f"Every record of data file '{self.data_path}' (data.data_path) is bad ({len(problems)} of "
+                f"{self.total_records}), so nothing is left to train on with data.on_bad_record=skip. The first: "
+                f"{first}"
             )
 
     def __len__(self) -> int:
         return len(self.records)
 
-    def describe(self, index: int) -> str:
+    def _record_name(self, index: int) -> str:
         return f"Record {index} (0-based) of data file '{self.data_path}'"
 
+    def describe(self, position: int) -> str:
+        return self._record_name(self.records[position][0])
+
     def summary(self) -> str:
-        images = sum(len(paths) for _, paths in self.records)
+        images = sum(len(paths) for _, _, paths in self.records)
+        skipped = f", {self.skipped_records} bad record(s) skipped" if self.skipped_records else ""
         return (
             f"JSON file '{self.data_path.resolve()}' (data.dataset=json), {len(self.records)} records with {images} "
-            f"image(s) under '{self.image_root.resolve()}', cutoff {self.cutoff_len}"
+            f"image(s) under '{self.image_root.resolve()}'{skipped}, cutoff {self.cutoff_len}"
         )
 
-    def conversation(self, index: int) -> tuple[list[dict], list[Image.Image]]:
-        messages, paths = self.records[index]
+    def conversation(self, position: int) -> tuple[list[dict], list[Image.Image]]:
+        index, messages, paths = self.records[position]
         images = []
         for path in paths:
             try:
-                with Image.open(path) as image:
-                    images.append(image.convert("RGB"))
-            except (OSError, ValueError) as error:
+                images.append(load_image(path, self.max_pixels, self.max_image_pixels))
+            except BadImage as error:
                 raise UserError(
-                    f"{self.describe(index)}: image '{path}' cannot be read: {error}. Replace the file "
-                    f"or drop the record."
+                    f"{self._record_name(index)}: image '{path}' cannot be used: {error}. Replace the file or drop "
+                    f"the record."
                 ) from None
         return messages, images
 
@@ -408,5 +509,12 @@ def build_dataset(data_cfg: DataConfig, hf_config, tokenizer, image_processor) -
             merge,
         )
     return JsonImageTextDataset(
-        data_cfg.data_path, data_cfg.image_root, tokenizer, image_processor, data_cfg.cutoff_len, merge
+        data_cfg.data_path,
+        data_cfg.image_root,
+        tokenizer,
+        image_processor,
+        data_cfg.cutoff_len,
+        merge,
+        on_bad_record=data_cfg.on_bad_record,
+        max_image_pixels=data_cfg.max_image_pixels,
     )

@@ -9,8 +9,10 @@ from glm45v_fsdp.runtime.dist import (
     DistEnv,
     detect_dist_env,
     expand_slurm_nodelist,
+    gather_objects,
     init_distributed,
     launcher_rank,
+    rank_and_world,
     shutdown,
 )
 from glm45v_fsdp.runtime.memory import MemoryMeter
@@ -26,8 +28,10 @@ __all__ = [
     "build_parallel_dims",
     "detect_dist_env",
     "expand_slurm_nodelist",
+    "gather_objects",
     "init_distributed",
     "launcher_rank",
+    "rank_and_world",
     "select_device",
     "set_deterministic",
     "set_seed",

@@ -332,3 +332,20 @@ def shutdown(finished: bool = False) -> None:
         dist.barrier()
         return
     dist.destroy_process_group()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_objects(value: object) -> list[object]:
+    """Every rank's `value` (picklable), in rank order; [value] without a process group. Collective."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return [value]
+    gathered: list[object] = [None] * world
+    dist.all_gather_object(gathered, value)
+    return gathered
