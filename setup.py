@@ -47,12 +47,16 @@ setup(
         "hjson>=3.0",  # ds_config files may be hjson, as DeepSpeed accepts
     ],
     extras_require={
-        # accelerate: the HF Trainer / accelerate tests of the ds-fsdp switch (tests/test_hf_integration.py)
-        "test": ["pytest>=8", "ruff>=0.5", "tensorboard>=2.14", "accelerate>=1.10,<2"],
+        # accelerate: the HF Trainer / accelerate tests of the ds-fsdp switch (tests/test_hf_integration.py);
+        # mindstudio-probe (import msprobe): Ascend's CPU implementations of fused NPU ops, the independent
+        # reference the tests' stand-in torch_npu is checked against (tests/test_ops.py)
+        "test": ["pytest>=8", "ruff>=0.5", "tensorboard>=2.14", "accelerate>=1.10,<2", "mindstudio-probe>=26.2,<27"],
         "tensorboard": ["tensorboard>=2.14"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
         # torch_npu must match the installed torch and CANN; pin it with the version Ascend publishes for it.
         "npu": ["torch_npu"],
+        # CUDA: varlen flash attention for model.ops (attention: flash_attn); builds against the installed torch
+        "flash-attn": ["flash-attn>=2.6"],
     },
     entry_points={
         "console_scripts": [

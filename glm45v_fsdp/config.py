@@ -32,6 +32,10 @@ class ModelConfig:
     # Nested dict merged onto the HF config, e.g. {text_config: {vocab_size: 65536}}.
     config_overrides: dict[str, Any] = field(default_factory=dict)
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # Which kernel each op runs (glm45v_fsdp/ops): auto (the fastest verified one per device), reference
+    # (transformers' own modules everywhere), or {op: auto | reference | name} for rms_norm, rotary, attention,
+    # experts, permute, swiglu. The log names what each op runs on.
+    ops: str | dict[str, str] = "auto"
     # Module patterns whose parameters get requires_grad=False, e.g. model.visual.blocks.{*}.
     freeze: list[str] = field(default_factory=list)
     # Test and benchmark knob (keep 0 for real training): adds router_skew x (E-1-e)/(E-1) to expert e's selection
@@ -490,7 +494,11 @@ def _override_value_for(path: str, raw: str) -> Any:
     if field_type is str or (
         typing.get_origin(field_type) in (typing.Union, types.UnionType) and str in typing.get_args(field_type)
     ):
-        if value is not None and not isinstance(value, str):
+        options = typing.get_args(field_type)
+        takes_value = any(
+            isinstance(value, typing.get_origin(option) or option) for option in options if option is not str
+        )
+        if value is not None and not isinstance(value, str) and not takes_value:
             return raw
     return value
 
@@ -629,6 +637,9 @@ def validate(config: Config) -> None:
         d.synthetic_images_per_sample,
         ">= 0",
     )
+    from glm45v_fsdp.ops.registry import check_ops_setting
+
+    check_ops_setting(config.model.ops)
     _require(d.max_image_pixels >= 1, "data.max_image_pixels", d.max_image_pixels, "a positive pixel count")
     _require(d.synthetic_image_size >= 28, "data.synthetic_image_size", d.synthetic_image_size, ">= 28 pixels")
     if d.dataset == "json":

@@ -1,6 +1,6 @@
 """The plan registry: every feature applied to the meta-device model, in one fixed order, from one list.
 
-    moe -> freeze -> recompute -> activation_offload -> chunk_loss -> expert_parallel -> context_parallel -> fsdp
+    moe -> ops -> freeze -> recompute -> activation_offload -> chunk_loss -> expert_parallel -> context_parallel -> fsdp
         -> weights
 
 `builders.build_model` applies them for real; `tools.preflight` applies them as a dry run (no process group: the
@@ -35,6 +35,9 @@ from glm45v_fsdp.memory.offload import apply_activation_offload, describe_offloa
 from glm45v_fsdp.memory.recompute import apply_recompute, kept_inside
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, materialize
 from glm45v_fsdp.model.moe import MoEBlock
+from glm45v_fsdp.ops.apply import apply_ops
+from glm45v_fsdp.ops.registry import REFERENCE, choose_ops, log_choice
+from glm45v_fsdp.ops.verify import verify_ops
 from glm45v_fsdp.parallel.context import LANGUAGE_MODEL, Ulysses, apply_context_parallel, check_context_parallel
 from glm45v_fsdp.parallel.expert import apply_expert_parallel, check_expert_parallel, expert_sharded_modules
 from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, is_sharded
@@ -42,6 +45,7 @@ from glm45v_fsdp.parallel.plan import PlanMatch, format_matches, match_modules
 from glm45v_fsdp.parallel.ring import Ring, choose_block_kernel, verify_block_kernel
 from glm45v_fsdp.parallel.sequence import SplitSequence, ZigzagSequence
 from glm45v_fsdp.runtime import DeviceLayer, ParallelDims, ParallelMeshes
+from glm45v_fsdp.runtime.device import import_torch_npu
 from glm45v_fsdp.tools.estimate import ActivationEstimate, loss_peak_bytes
 
 
@@ -105,14 +109,12 @@ class MoEPlan(Plan):
         layers = _moe_layers(ctx.hf_config)
         pattern = f"{LANGUAGE_MODEL}.layers.{{{layers.start}-{layers.stop - 1}}}.mlp"
         matches = match_modules(model, [pattern], self.key)
-        kernel = "grouped_mm" if ctx.device.has_grouped_mm() else "loop"
         for name in matches[0].names:
             parent_name, _, attribute = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             assert isinstance(getattr(parent, attribute), Glm4vMoeTextMoE), f"{name} is not transformers' MoE block"
             with torch.device("meta"):
                 block = MoEBlock(ctx.hf_config.text_config)
-            block.experts.kernel = kernel
             block.gate.skew = ctx.config.model.router_skew
             setattr(parent, attribute, block)
         return matches
@@ -123,6 +125,34 @@ class MoEPlan(Plan):
             f"our MoE block in {len(_moe_layers(hf_config))} layer(s): fp32 router (top-{text.num_experts_per_tok} of "
             f"{text.n_routed_experts}), local dispatcher, grouped experts, fp32 combine, shared expert"
         )
+
+
+class OpsPlan(Plan):
+    """The accelerator ops (glm45v_fsdp/ops): each op's kernel per device, verified against the reference."""
+
+    name, key = "ops", "model.ops"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return config.model.ops != REFERENCE
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        npu = import_torch_npu() if ctx.device.type == "npu" else None
+        choice = choose_ops(ctx.config.model.ops, ctx.device.type, npu)
+        notes = []
+        if ctx.dims.ep_enabled and choice.names["permute"] != REFERENCE:
+            choice.names["permute"] = REFERENCE
+            notes.append("permute: expert parallelism's dispatcher moves the tokens (its own permute)")
+        if ctx.dims.cp_enabled and choice.names["attention"] != REFERENCE:
+            notes.append("attention: the text layers run context parallelism's attention; the vision tower the kernel")
+        log_choice(choice, ctx.config.model.ops)
+        for note in notes:
+            get_logger().info("ops: %s", note)
+        if not ctx.dry and choice.fast():
+            verify_ops(choice, ctx.torch_device, DTYPES[ctx.config.parallel.fsdp_plan.param_dtype])
+        return apply_ops(model, choice)
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        return f"each op's kernel for the device (model.ops={config.model.ops}), checked against the reference"
 
 
 class FreezePlan(Plan):
@@ -439,6 +469,7 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
 
 PLANS: tuple[Plan, ...] = (
     MoEPlan(),
+    OpsPlan(),
     FreezePlan(),
     RecomputePlan(),
     ActivationOffloadPlan(),

@@ -22,6 +22,7 @@ from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.memory.recompute import apply_recompute
 from glm45v_fsdp.model import load_hf_config
 from glm45v_fsdp.model.moe import MoEBlock
+from glm45v_fsdp.ops.kernels import torch_grouped_mm
 from glm45v_fsdp.parallel.expert import AllToAllDispatcher, apply_expert_parallel
 from glm45v_fsdp.parallel.expert_route import plan_route
 from glm45v_fsdp.tools.preflight import main as preflight_main
@@ -132,7 +133,7 @@ def unsplit_block(skew: float, dtype: torch.dtype = torch.float32) -> MoEBlock:
         nn.init.normal_(param, std=0.2)
     block.gate.e_score_correction_bias.normal_(std=0.1)
     block.gate.skew = skew
-    block.experts.kernel = "grouped_mm"
+    block.experts.use_kernels("grouped_mm", torch_grouped_mm)
     return block.to(dtype)  # the router computes in fp32 whatever its weight's dtype; its bias buffer stays fp32
 
 
@@ -143,7 +144,7 @@ def split_block(reference: MoEBlock, ep: int, dispatcher: str, max_dup: int):
     holder.mlp = MoEBlock(TEXT).to(reference.experts.gate_up_proj.dtype)
     holder.mlp.load_state_dict(reference.state_dict())
     holder.mlp.gate.skew = reference.gate.skew
-    holder.mlp.experts.kernel = "grouped_mm"
+    holder.mlp.experts.use_kernels("grouped_mm", torch_grouped_mm)
     balance = EpBalanceConfig(enabled=True, max_dup_experts_num=max_dup) if max_dup else None
     apply_expert_parallel(holder, ["mlp.experts"], dispatcher, balance, mesh["ep"])
     return holder, mesh["ep"], mesh["efsdp"]

@@ -33,6 +33,10 @@ def forward_hidden(model: nn.Module, batch: dict, image_outputs: object | None =
     model runs its vision tower itself on `pixel_values`.
     """
     inputs = {key: batch[key] for key in _MODEL_INPUTS if batch.get(key) is not None}
+    if inputs["position_ids"].shape[0] == 4 and batch.get("cu_seqlens") is not None:
+        # a packed row: the sample boundaries for a varlen attention kernel (ops/apply.py), device and host copies
+        inputs["ops_cu_seqlens"] = batch["cu_seqlens"]
+        inputs["ops_seqlens"] = batch["cu_seqlens"].tolist()
     if image_outputs is not None:
         inputs.pop("pixel_values", None)
         inputs["mm_encoder_outputs"] = {"image": image_outputs}

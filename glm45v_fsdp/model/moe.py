@@ -8,10 +8,11 @@ DCP are unchanged: `mlp.gate.weight` [E, H], `mlp.gate.e_score_correction_bias` 
               chosen scores normalised and scaled; transformers' Glm4vMoeTextTopkRouter op for op.
   dispatcher  a TokenDispatcher: `dispatch` puts the (token, expert) pairs in expert order and counts them per
               local expert; `combine` returns each pair's output to its token, weighted by its routing weight, and
-              sums a token's k outputs in fp32. LocalDispatcher keeps everything on this rank; expert parallelism
-              swaps in one that exchanges the pairs between ranks.
+              sums a token's k outputs in fp32. LocalDispatcher keeps everything on this rank (its permute /
+              unpermute from the ops layer); expert parallelism swaps in one that exchanges the pairs between ranks.
   experts     GroupedExperts: every expert's SwiGLU MLP over its contiguous rows, one grouped GEMM per projection
-              (`torch._grouped_mm` where the device runs it) or a per-expert loop (the reference).
+              (the ops layer's `experts` kernel: torch._grouped_mm, torch_npu's grouped matmul) or a per-expert loop
+              (the reference), and its `swiglu` kernel.
   shared      transformers' Glm4vMoeTextMLP, added to the routed output.
 
 The pairs are ordered by expert, then top-k slot, then token: the order transformers' eager loop visits them, so in
@@ -34,8 +35,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.activations import ACT2FN
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMLP
-
-EXPERT_KERNELS = ("grouped_mm", "loop")
 
 
 class MoERouter(nn.Module):
@@ -76,7 +75,7 @@ class MoERouter(nn.Module):
         return logits, weights * self.routed_scaling_factor, expert_ids
 
 
-def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """rows [S, in] x weight [E, out, in] per group of rows (group e ends at ends[e]) -> [S, out]."""
     return _ContiguousGrad.apply(torch._grouped_mm(rows, weight.transpose(-2, -1), offs=ends))
 
@@ -116,7 +115,16 @@ class GroupedExperts(nn.Module):
         )
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, config.moe_intermediate_size))
         self.act_fn = ACT2FN[config.hidden_act]
-        self.kernel = "loop"  # the MoE plan picks grouped_mm where the device runs it
+        # the ops plan (glm45v_fsdp/ops) sets a grouped GEMM `gemm(rows, weight, counts)` and a fused `swiglu`;
+        # without them: the per-expert loop (the reference)
+        self.kernel = "loop"
+        self.gemm = None
+        self.swiglu = None
+
+    def use_kernels(self, name: str, gemm, swiglu=None) -> None:
+        """Run the experts with a grouped GEMM `gemm(rows, weight, counts)` (logged as `name`) and, if given, a
+        fused `swiglu(x)` on the gate / up projection."""
+        self.kernel, self.gemm, self.swiglu = name, gemm, swiglu
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, extra: ExtraExperts | None = None) -> torch.Tensor:
         gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
@@ -129,10 +137,14 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         """Expert e of the stacks (gate_up [n, 2I, H], down [n, H, I]) on its counts[e] contiguous rows."""
         assert counts.numel() == gate_up.shape[0], f"{counts.numel()} row counts for {gate_up.shape[0]} experts"
-        if self.kernel == "grouped_mm":
-            ends = counts.cumsum(0).to(torch.int32)
-            gate, up = _grouped_mm(rows, gate_up, ends).chunk(2, dim=-1)
-            return _grouped_mm(self.act_fn(gate) * up, down, ends)
+        if self.gemm is not None:
+            projected = self.gemm(rows, gate_up, counts)
+            if self.swiglu is not None:
+                hidden = self.swiglu(projected)
+            else:
+                gate, up = projected.chunk(2, dim=-1)
+                hidden = self.act_fn(gate) * up
+            return self.gemm(hidden, down, counts)
         outputs, start = [], 0
         for expert, count in enumerate(counts.tolist()):
             if count:
@@ -157,8 +169,8 @@ class Dispatched:
 
     rows: torch.Tensor  # [S, H]: the pairs' hidden states, grouped by local expert
     counts: torch.Tensor  # [local experts]: rows per expert, in order
-    token_index: torch.Tensor  # [S]: the token each row belongs to
-    weights: torch.Tensor  # [S]: each row's routing weight (fp32)
+    token_index: torch.Tensor | None  # [S]: the token each row belongs to (None: an ops permute kernel's `context`)
+    weights: torch.Tensor  # [S]: each row's routing weight (fp32); [T, k] with an ops permute kernel
     num_tokens: int
     extra: ExtraExperts | None = None  # replicas run here besides the own experts (EP balance)
     context: object = None  # what the dispatcher itself keeps for combine
@@ -203,20 +215,28 @@ class TokenDispatcher(Protocol):
 
 
 class LocalDispatcher:
-    """Every expert on this rank: sort the pairs by (expert, top-k slot, token); combine by index_add in fp32."""
+    """Every expert on this rank: sort the pairs by (expert, top-k slot, token); combine by index_add in fp32. A
+    `permute` kernel of the ops layer (`permute(hidden, expert_ids)` / `unpermute(rows, state, weights, tokens)`)
+    replaces both steps; the counts per expert stay a bincount."""
 
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, permute: object | None = None) -> None:
         self.num_experts = num_experts
+        self.permute = permute
 
     def dispatch(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> Dispatched:
         num_tokens, top_k = expert_ids.shape
         slot_major = expert_ids.t().reshape(-1)  # pair p = slot * tokens + token
+        counts = torch.bincount(slot_major, minlength=self.num_experts)
+        if self.permute is not None:
+            rows, state = self.permute.permute(hidden, expert_ids)
+            return Dispatched(rows, counts, None, weights, num_tokens, context=state)
         order = torch.sort(slot_major, stable=True)[1]
         token_index = order % num_tokens
-        counts = torch.bincount(slot_major, minlength=self.num_experts)
         return Dispatched(hidden[token_index], counts, token_index, weights.t().reshape(-1)[order], num_tokens)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        if self.permute is not None:
+            return self.permute.unpermute(expert_out, dispatched.context, dispatched.weights, dispatched.num_tokens)
         return weighted_combine(expert_out, dispatched.weights, dispatched.token_index, dispatched.num_tokens)
 
     def describe(self) -> str:

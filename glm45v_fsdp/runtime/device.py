@@ -61,15 +61,6 @@ class DeviceLayer:
             return False
         return _cpu_fused_adamw_runs() if self.type == "cpu" else True
 
-    def has_grouped_mm(self) -> bool:
-        """Whether `torch._grouped_mm` (the MoE experts' grouped GEMM) runs here: cpu, and cuda from compute
-        capability 8.0. torch_npu's grouped matmul is a different op, not wired yet: npu runs the per-expert loop."""
-        if not hasattr(torch, "_grouped_mm"):
-            return False
-        if self.type == "cuda":
-            return self._accel.get_device_capability() >= (8, 0)
-        return self.type == "cpu"
-
     def reset_peak_memory(self) -> None:
         assert self.type != "cpu", "the cpu has no allocator peak; use MemoryMeter (tracked tensors)"
         self._accel.reset_peak_memory_stats()

@@ -1,4 +1,4 @@
-"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory|ep|longest|deepspeed [options] [overrides]`
+"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory|ep|longest|deepspeed|ops [options] [overrides]`
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -16,6 +16,9 @@ per-rank memory budget, found by doubling (tools/bench_longest.py).
 
 deepspeed: one DeepSpeed-API script on transformers' tiny GLM-4.5V, the real DeepSpeed against ds_compat, per ZeRO
 stage and dtype, interleaved rounds (tools/bench_deepspeed.py).
+
+ops: each accelerator op's fast kernel against its reference (error, speed-up), then a training run with
+model.ops=auto against model.ops=reference (tools/bench_ops.py).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools import bench_deepspeed, bench_ep, bench_longest, bench_memory
+from glm45v_fsdp.tools import bench_deepspeed, bench_ep, bench_longest, bench_memory, bench_ops
 
 BARE_INPUT_KEYS = (
     "input_ids",
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_ep.add_parser(sub)
     bench_longest.add_parser(sub)
     bench_deepspeed.add_parser(sub)
+    bench_ops.add_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_longest.main_longest(args, argv)
         if args.benchmark == "deepspeed":
             return bench_deepspeed.main_deepspeed(args, argv)
+        if args.benchmark == "ops":
+            return bench_ops.main_ops(args, argv)
         run_overhead(args.steps, args.warmup, args.blocks, args.overrides, args.output)
     except UserError as error:
         print(f"bench: error: {error}", file=sys.stderr)
