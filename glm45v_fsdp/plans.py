@@ -144,11 +144,12 @@ class OpsPlan(Plan):
             notes.append("permute: expert parallelism's dispatcher moves the tokens (its own permute)")
         if ctx.dims.cp_enabled and choice.names["attention"] != REFERENCE:
             notes.append("attention: the text layers run context parallelism's attention; the vision tower the kernel")
-        log_choice(choice, ctx.config.model.ops)
-        for note in notes:
-            get_logger().info("ops: %s", note)
-        if not ctx.dry and choice.fast():
-            verify_ops(choice, ctx.torch_device, DTYPES[ctx.config.parallel.fsdp_plan.param_dtype])
+        if not ctx.dry:  # a dry run (preflight) reports the matches, which name each kernel, itself
+            log_choice(choice, ctx.config.model.ops)
+            for note in notes:
+                get_logger().info("ops: %s", note)
+            if choice.fast():
+                verify_ops(choice, ctx.torch_device, DTYPES[ctx.config.parallel.fsdp_plan.param_dtype])
         return apply_ops(model, choice)
 
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:

@@ -65,6 +65,7 @@ def test_preflight_lists_the_registry_in_order(capsys):
     assert [plan["plan"] for plan in report["plans"]] == [plan.name for plan in PLANS]
     assert [plan.name for plan in PLANS] == [
         "moe",
+        "ops",
         "freeze",
         "recompute",
         "activation_offload",
@@ -75,4 +76,4 @@ def test_preflight_lists_the_registry_in_order(capsys):
         "weights",
     ]
     enabled = {plan["plan"]: plan for plan in report["plans"] if plan["enabled"]}
-    assert set(enabled) == {"moe", "fsdp", "weights"} and all(plan["describe"] for plan in enabled.values())
+    assert set(enabled) == {"moe", "ops", "fsdp", "weights"} and all(plan["describe"] for plan in enabled.values())

@@ -64,12 +64,7 @@ class OpsTextAttention(_OpsModule):
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        rotary = self.ops_kernels.get("rotary")
-        if rotary is not None:
-            query, key = rotary.text(query, key, cos, sin)
-        else:
-            query, key = hf.apply_rotary_pos_emb(query, key, cos, sin)
+        query, key = _rotate(self.ops_kernels, "text", query, key, *position_embeddings)
         if self.config._attn_implementation == OPS_ATTENTION:
             output, _ = self.ops_kernels["attention"](
                 query,
@@ -81,9 +76,7 @@ class OpsTextAttention(_OpsModule):
                 seqlens=kwargs.get("ops_seqlens"),
             )
         else:  # transformers' attention, or context parallelism's
-            interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, hf.eager_attention_forward
-            )
+            interface = _interface(self.config)
             output, _ = interface(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
 
@@ -92,12 +85,7 @@ class OpsVisionAttention(_OpsModule):
     def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
         length = hidden_states.shape[0]
         query, key, value = self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        cos, sin = position_embeddings
-        rotary = self.ops_kernels.get("rotary")
-        if rotary is not None:
-            query, key = rotary.vision(query, key, cos, sin)
-        else:
-            query, key = hf.apply_rotary_pos_emb_vision(query, key, cos, sin)
+        query, key = _rotate(self.ops_kernels, "vision", query, key, *position_embeddings)
         attention = self.ops_kernels.get("attention")
         if attention is None:
             return self._transformers_attention(hidden_states, query, key, value, cu_seqlens)
@@ -117,6 +105,14 @@ class OpsVisionAttention(_OpsModule):
             for q, k, v in zip(*splits)
         ]
         return self.proj(torch.cat(outputs, dim=1).reshape(hidden_states.shape[0], -1).contiguous())
+
+
+def _rotate(kernels: dict[str, Any], kind: str, query, key, cos, sin):
+    """Rotary through the kernel, or transformers' own function for `kind` (text / vision)."""
+    if "rotary" in kernels:
+        return getattr(kernels["rotary"], kind)(query, key, cos, sin)
+    own = hf.apply_rotary_pos_emb if kind == "text" else hf.apply_rotary_pos_emb_vision
+    return own(query, key, cos, sin)
 
 
 def _interface(config: Any) -> Callable:
