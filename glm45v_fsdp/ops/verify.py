@@ -20,8 +20,13 @@ from glm45v_fsdp.ops.kernels import KERNELS
 from glm45v_fsdp.ops.registry import OpsChoice
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference relative to the largest reference value."""
+    return (got.float() - want.float()).abs().max().item() / (want.float().abs().max().item() + 1e-6)
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float, what: str) -> None:
-    error = (got.float() - want.float()).abs().max().item() / (want.float().abs().max().item() + 1e-6)
+    error = relative_error(got, want)
     if not error <= tolerance:
         raise ValueError(f"{what}: relative error {error:.2e} against the reference (tolerance {tolerance:g})")
 

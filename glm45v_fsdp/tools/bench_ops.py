@@ -32,6 +32,7 @@ from glm45v_fsdp.model.moe import LocalDispatcher
 from glm45v_fsdp.ops import reference
 from glm45v_fsdp.ops.kernels import KERNELS
 from glm45v_fsdp.ops.registry import choose_ops
+from glm45v_fsdp.ops.verify import relative_error
 from glm45v_fsdp.runtime.device import import_torch_npu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -143,9 +144,7 @@ def _time(fn, inputs, repeats: int, device: torch.device) -> float:
 
 
 def _error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    return max(
-        ((g.float() - w.float()).abs().max() / (w.float().abs().max() + 1e-12)).item() for g, w in zip(got, want)
-    )
+    return max(relative_error(g, w) for g, w in zip(got, want))
 
 
 def op_rows(device: torch.device, dtype: torch.dtype, tokens: int, repeats: int) -> list[dict]:
