@@ -9,6 +9,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,19 +55,83 @@ def torchrun(nproc: int, *target: str) -> list[str]:
     ]
 
 
+class Zygote:
+    """The client of tests/zygote.py: one pre-imported process per session that forks the trainer runs of
+    `train` and `train_many` (each rank a real process; the interpreter start-up and imports, ~5 s of a ~6 s run,
+    are paid once)."""
+
+    _session: Zygote | None = None
+
+    def __init__(self) -> None:
+        read_fd, write_fd = os.pipe()
+        self.process = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "zygote.py"), str(write_fd)],
+            cwd=REPO,
+            env=clean_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            pass_fds=(write_fd,),
+            text=True,
+        )
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd)
+        self.lock = threading.Lock()
+        if not self.replies.readline():
+            raise RuntimeError(f"tests/zygote.py did not start (exit status {self.process.wait()})")
+
+    @classmethod
+    def session(cls) -> Zygote:
+        if cls._session is None or cls._session.process.poll() is not None:
+            cls._session = cls()
+        return cls._session
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls._session is not None and cls._session.process.poll() is None:
+            cls._session.process.stdin.close()
+            cls._session.process.wait(timeout=30)
+        cls._session = None
+
+    @staticmethod
+    def accepts(env: dict[str, str]) -> bool:
+        """A run whose environment the zygote's imports agree with (threads and import path as it started)."""
+        base = clean_env()
+        return all(env.get(key) == base[key] for key in ("OMP_NUM_THREADS", "PYTHONPATH"))
+
+    def run(self, target: str, argv: list[str], nproc: int, env: dict[str, str], timeout: float, args: list[str]):
+        with tempfile.TemporaryDirectory() as scratch:
+            out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
+            request = dict(target=target, argv=argv, nproc=nproc, env=env, cwd=str(REPO), port=free_port())
+            request.update(stdout=str(out), stderr=str(err), timeout=timeout)
+            with self.lock:
+                self.process.stdin.write(json.dumps(request) + "\n")
+                self.process.stdin.flush()
+                line = self.replies.readline()
+            if not line:
+                raise RuntimeError(f"tests/zygote.py ended (exit status {self.process.wait()})")
+            reply = json.loads(line)
+            stdout = out.read_text() if out.exists() else ""
+            stderr = err.read_text() if err.exists() else ""
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(args, timeout, output=stdout, stderr=stderr)
+        return subprocess.CompletedProcess(args, reply["returncode"], stdout, stderr)
+
+
 def train(output_dir: Path, overrides: list[str], nproc: int = 1, env: dict | None = None):
-    """`python -m glm45v_fsdp.train` (under torchrun when nproc > 1) writing to output_dir."""
-    if nproc == 1:
-        command = [sys.executable, "-m", "glm45v_fsdp.train"]
-    else:
-        command = torchrun(nproc, "-m", "glm45v_fsdp.train")
-    command += [f"training.output_dir={output_dir}", "training.progress_bar=false", *overrides]
-    return subprocess.run(command, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=600)
+    """`python -m glm45v_fsdp.train` (under torchrun when nproc > 1) writing to output_dir: forked by the zygote
+    with torchrun's variables, or a fresh interpreter when `env` differs in threads or import path."""
+    argv = [f"training.output_dir={output_dir}", "training.progress_bar=false", *overrides]
+    env = env or clean_env()
+    module = ["-m", "glm45v_fsdp.train", *argv]
+    command = [sys.executable, *module] if nproc == 1 else torchrun(nproc, *module)
+    if Zygote.accepts(env):
+        return Zygote.session().run("train", argv, nproc, env, 600, command)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 def train_many(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str, tuple[str, list[dict]]]:
-    """Several training runs on `nproc` ranks in ONE torchrun job (tests/multi_run.py): {name: overrides} ->
-    {name: (rank 0's log, metrics records)}; run `name` writes to root/name."""
+    """Several training runs on `nproc` ranks in ONE job (tests/multi_run.py, forked by the zygote): {name:
+    overrides} -> {name: (rank 0's log, metrics records)}; run `name` writes to root/name."""
     root.mkdir(parents=True, exist_ok=True)
     items = []
     for name, overrides in runs.items():
@@ -76,7 +142,7 @@ def train_many(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str, 
     spec = root / "runs.json"
     spec.write_text(json.dumps(items))
     command = torchrun(nproc, str(REPO / "tests" / "multi_run.py"), str(spec))
-    result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
+    result = Zygote.session().run("multi_run", [str(spec)], nproc, clean_env(), 900, command)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {
         name: (
@@ -108,6 +174,13 @@ def end_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote_session():
+    """Ends the zygote (if a test started it) with the session."""
+    yield
+    Zygote.stop()
 
 
 @pytest.fixture(scope="session")

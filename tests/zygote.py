@@ -1,0 +1,142 @@
+"""A pre-imported trainer process that forks the test suite's training runs (`conftest.train`, `train_many`).
+
+A trainer run of the tiny model takes about 6 s on this machine, of which about 5 s is the interpreter start-up and
+importing torch and transformers; the 20 steps of a parity run take about 1 s. The zygote imports everything the
+trainer imports once, then forks each run's ranks from that state: every rank is still a real process with its own
+environment, working directory, stdout/stderr, process group (env:// rendezvous with MASTER_ADDR/PORT, RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE as torchrun exports them) and exit status; only the imports are shared.
+The zygote never runs a torch op or starts a thread before it forks, so the children start as a fresh process does.
+
+A job ends as torchrun ends one: when a rank exits non-zero the others get SIGTERM, then SIGKILL after 30 s; its
+status is the first failing rank's (0 when every rank succeeded). Tests of the launchers themselves (torchrun,
+deepspeed, ds-fsdp, srun, mpirun, the console script) start real launchers and interpreters and never come here.
+
+Protocol: one JSON request per line on stdin, one JSON reply per line on the channel the client names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+
+TERM_GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL when it stops a failed job's workers
+
+
+def preload() -> None:
+    """Import what a trainer run imports (the modules `glm45v_fsdp.train.run` imports lazily included)."""
+    import transformers.models.glm4v_moe.modeling_glm4v_moe  # noqa: F401
+    from transformers import Glm4vImageProcessorPil  # noqa: F401
+
+    import ds_compat.trainer_door  # noqa: F401
+    import glm45v_fsdp.builders  # noqa: F401
+    import glm45v_fsdp.checkpoint.dcp  # noqa: F401
+    import glm45v_fsdp.checkpoint.deepspeed  # noqa: F401
+    import glm45v_fsdp.checkpoint.hf_export  # noqa: F401
+    import glm45v_fsdp.train  # noqa: F401
+    import glm45v_fsdp.trainer  # noqa: F401
+    import multi_run  # noqa: F401
+
+
+def child(request: dict, rank: int, port: int, replies_fd: int) -> None:
+    """One rank: its environment, directory and output files, then the target; never returns."""
+    code = 1
+    try:
+        os.close(replies_fd)
+        os.setpgid(0, 0)  # its own process group: a timeout kills the rank with everything it started
+        random.seed()  # the fork copied the zygote's generator state; a fresh process seeds from the OS
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if request["nproc"] > 1:
+            os.environ.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(request["nproc"]),
+                LOCAL_WORLD_SIZE=str(request["nproc"]),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+        os.chdir(request["cwd"])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
+        if request["target"] == "train":
+            from glm45v_fsdp.train import main
+
+            sys.argv = ["glm45v_fsdp/train.py", *request["argv"]]
+            code = main(request["argv"])
+        else:
+            import multi_run
+
+            sys.argv = ["tests/multi_run.py", *request["argv"]]
+            multi_run.main(*request["argv"])
+            code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:
+        traceback.print_exc()  # what the interpreter prints for an uncaught exception, with its status 1
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_job(request: dict, replies_fd: int) -> dict:
+    """Fork the job's ranks and wait for them as torchrun would; {"returncode": int, "timed_out": bool}."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for rank in range(request["nproc"]):
+        pid = os.fork()
+        if pid == 0:
+            child(request, rank, request["port"], replies_fd)
+        pids.append(pid)
+    deadline = time.monotonic() + request["timeout"]
+    running, first_failure, kill_at = set(pids), None, None
+    while running:
+        for pid in list(running):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                running.discard(pid)
+                code = os.waitstatus_to_exitcode(status)
+                if code != 0 and first_failure is None:
+                    first_failure = code
+                    for other in running:
+                        _signal_group(other, signal.SIGTERM)
+                    kill_at = time.monotonic() + TERM_GRACE_S
+        now = time.monotonic()
+        if running and (now > deadline or (kill_at is not None and now > kill_at)):
+            for pid in running:
+                _signal_group(pid, signal.SIGKILL)
+            for pid in running:
+                os.waitpid(pid, 0)
+            return {"returncode": -signal.SIGKILL, "timed_out": now > deadline}
+        time.sleep(0.02)
+    return {"returncode": first_failure or 0, "timed_out": False}
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def serve() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/: multi_run
+    preload()
+    replies_fd = int(sys.argv[1])
+    replies = os.fdopen(replies_fd, "w")
+    print(json.dumps({"ready": True}), file=replies, flush=True)
+    for line in sys.stdin:
+        print(json.dumps(run_job(json.loads(line), replies_fd)), file=replies, flush=True)
+
+
+if __name__ == "__main__":
+    serve()
