@@ -29,6 +29,7 @@ TERM_GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL when it stops
 
 def preload() -> None:
     """Import what a trainer run imports (the modules `glm45v_fsdp.train.run` imports lazily included)."""
+    import multi_run  # noqa: F401
     import transformers.models.glm4v_moe.modeling_glm4v_moe  # noqa: F401
     from transformers import Glm4vImageProcessorPil  # noqa: F401
 
@@ -39,7 +40,6 @@ def preload() -> None:
     import glm45v_fsdp.checkpoint.hf_export  # noqa: F401
     import glm45v_fsdp.train  # noqa: F401
     import glm45v_fsdp.trainer  # noqa: F401
-    import multi_run  # noqa: F401
 
 
 def child(request: dict, rank: int, port: int, replies_fd: int) -> None:
