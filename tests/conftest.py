@@ -118,15 +118,19 @@ class Zygote:
 
 
 def train(output_dir: Path, overrides: list[str], nproc: int = 1, env: dict | None = None):
-    """`python -m glm45v_fsdp.train` (under torchrun when nproc > 1) writing to output_dir: forked by the zygote
-    with torchrun's variables, or a fresh interpreter when `env` differs in threads or import path."""
-    argv = [f"training.output_dir={output_dir}", "training.progress_bar=false", *overrides]
+    """`python -m glm45v_fsdp.train` (under torchrun when nproc > 1) writing to output_dir."""
+    return trainer([f"training.output_dir={output_dir}", "training.progress_bar=false", *overrides], nproc, env)
+
+
+def trainer(argv: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600):
+    """`python -m glm45v_fsdp.train ARGV` (under torchrun when nproc > 1): forked by the zygote with torchrun's
+    variables, or a fresh interpreter when `env` differs in threads or import path."""
     env = env or clean_env()
     module = ["-m", "glm45v_fsdp.train", *argv]
     command = [sys.executable, *module] if nproc == 1 else torchrun(nproc, *module)
     if Zygote.accepts(env):
-        return Zygote.session().run("train", argv, nproc, env, 600, command)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        return Zygote.session().run("train", argv, nproc, env, timeout, command)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def train_many(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str, tuple[str, list[dict]]]:

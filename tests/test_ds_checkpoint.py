@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, clean_env, torchrun
+from conftest import REPO, clean_env, torchrun, trainer
 
 from glm45v_fsdp.checkpoint.dcp import read_model_tensors
 from glm45v_fsdp.checkpoint.deepspeed import describe, locate, read_deepspeed
@@ -184,8 +184,7 @@ def test_trainer_resumes_a_deepspeed_run_of_transformers_glm45v(tmp_path, capsys
         "training.lr_scheduler=constant",
         "training.lr_warmup_ratio=0",
     ]
-    ours = ["-m", "glm45v_fsdp.train", "--deepspeed", str(initial / "ds_config.json"), *overrides]
-    result = subprocess.run(torchrun(2, *ours), env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    result = trainer(["--deepspeed", str(initial / "ds_config.json"), *overrides], nproc=2, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "resume: DeepSpeed checkpoint" in result.stdout and "(ZeRO 2, 2 rank(s), global step 4)" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "ours" / "metrics.jsonl").read_text().splitlines()]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PARITY, clean_env, free_port, read_metrics, train
+from conftest import PARITY, clean_env, free_port, read_metrics, train, trainer
 
 from ds_compat.config import translate
 
@@ -90,8 +90,7 @@ def test_the_door_does_not_change_training(tmp_path):
 def test_deepspeed_argument_errors_exit_2_without_traceback(tmp_path, argv, message):
     path = write_config(tmp_path, {"train_micro_batch_size_per_gpu": 2})
     argv = [arg.replace("{cfg}", str(path)) for arg in argv]
-    command = [sys.executable, "-m", "glm45v_fsdp.train", *argv, f"training.output_dir={tmp_path / 'out'}"]
-    result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    result = trainer([*argv, f"training.output_dir={tmp_path / 'out'}"], timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
