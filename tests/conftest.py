@@ -1,5 +1,5 @@
 """Shared helpers and fixtures of the test suite: a free port, the clean environment of child processes, running the
-trainer as a real process, reading its metrics, the parity error, and ending spawned gloo workers. Test modules import
+trainer and multi-rank workers as real processes forked from a pre-imported one (tests/zygote.py), reading metrics, the parity error, and ending spawned gloo workers. Test modules import
 the helpers with `from conftest import ...` (pytest puts tests/ on sys.path)."""
 
 from __future__ import annotations
@@ -131,6 +131,18 @@ def trainer(argv: list[str], nproc: int = 1, env: dict | None = None, timeout: f
     if Zygote.accepts(env):
         return Zygote.session().run("train", argv, nproc, env, timeout, command)
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def spawn(worker: Callable[..., None], args: tuple = (), nprocs: int = 1, timeout: float = 600) -> None:
+    """`torch.multiprocessing.spawn(worker, args, nprocs)` from the zygote: `worker(rank, *args)` in `nprocs`
+    forked processes (a module-level function of a test module; `args` JSON values). A failing rank fails the
+    test with its output."""
+    target = f"call:{worker.__module__}:{worker.__name__}"
+    command = [f"spawn {worker.__module__}.{worker.__name__} x{nprocs}"]
+    result = Zygote.session().run(target, list(args), nprocs, clean_env(), timeout, command)
+    assert result.returncode == 0, (
+        f"{command[0]} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    )
 
 
 def train_many(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str, tuple[str, list[dict]]]:

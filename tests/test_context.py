@@ -9,8 +9,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import PARITY, end_worker, free_port, mean_relative_error, read_metrics, train
+from conftest import PARITY, end_worker, free_port, mean_relative_error, read_metrics, spawn, train
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Glm4vMoeConfig
@@ -166,7 +165,7 @@ def _split_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_split_language_model_matches_unsplit(tmp_path):
-    mp.spawn(_split_worker, args=(2, free_port(), str(tmp_path / "errors")), nprocs=2, join=True)
+    spawn(_split_worker, args=(2, free_port(), str(tmp_path / "errors")), nprocs=2)
     for rank in range(2):
         found = json.loads((tmp_path / f"errors.{rank}").read_text())
         errors = found["errors"]

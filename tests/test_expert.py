@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import PARITY, end_worker, free_port, mean_relative_error, train, train_many
+from conftest import PARITY, end_worker, free_port, mean_relative_error, spawn, train, train_many
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -261,7 +260,7 @@ def _dispatch_worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def dispatch_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dispatch") / "results"
-    mp.spawn(_dispatch_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn(_dispatch_worker, args=(free_port(), str(out)), nprocs=WORLD)
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(WORLD)]
 
 

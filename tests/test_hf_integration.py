@@ -27,8 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import REPO, clean_env, end_worker, free_port
+from conftest import REPO, clean_env, end_worker, free_port, spawn
 from torch.distributed.tensor import DTensor
 
 from ds_compat.alias import SHIM_DIR
@@ -199,7 +198,7 @@ def _zero_init_worker(rank: int, port: int) -> None:
 
 
 def test_zero_init_partitions_and_initialize_places_them():
-    mp.spawn(_zero_init_worker, args=(free_port(),), nprocs=2, join=True)
+    spawn(_zero_init_worker, args=(free_port(),), nprocs=2)
 
 
 def _zero2_worker(rank: int, port: int) -> None:
@@ -247,7 +246,7 @@ def _zero2_worker(rank: int, port: int) -> None:
 
 
 def test_zero2_state_dicts_are_whole_and_a_destroyed_engines_model_trains_on():
-    mp.spawn(_zero2_worker, args=(free_port(),), nprocs=2, join=True)
+    spawn(_zero2_worker, args=(free_port(),), nprocs=2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

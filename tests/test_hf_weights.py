@@ -14,9 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import yaml
-from conftest import end_worker, free_port
+from conftest import end_worker, free_port, spawn
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -289,7 +288,7 @@ def _two_rank_worker(rank: int, port: int, hub: str, out: str) -> None:
 
 
 def test_two_ranks_read_their_slices_and_export_loads_in_transformers(checkpoints, tmp_path):
-    mp.spawn(_two_rank_worker, args=(free_port(), str(checkpoints["hub"]), str(tmp_path)), nprocs=2, join=True)
+    spawn(_two_rank_worker, args=(free_port(), str(checkpoints["hub"]), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     state = checkpoints["state"]
     total = sum(t.nbytes for t in read_dir(checkpoints["hub"]).values())
@@ -379,7 +378,7 @@ def test_expert_parallel_ranks_read_only_their_experts_and_export_unchanged(ep_c
     """Both checkpoint layouts load exactly into experts split 2 ways on dim 0 (ep) and 2 ways on dim 1 (efsdp);
     each rank reads about a quarter of the checkpoint; the export writes the Hub's tensors back bit for bit."""
     root, state = ep_checkpoints["root"], ep_checkpoints["state"]
-    mp.spawn(_expert_parallel_worker, args=(free_port(), str(root)), nprocs=4, join=True)
+    spawn(_expert_parallel_worker, args=(free_port(), str(root)), nprocs=4)
     text = load_hf_config(ModelConfig(config_overrides=EP_OVERRIDES)).text_config
     total = sum(t.nbytes for t in state.values())
     for rank in range(4):
@@ -500,7 +499,7 @@ def test_sliced_load_peak_host_memory_is_far_below_the_checkpoint(tmp_path):
     )
     size = sum(p.stat().st_size for p in (tmp_path / "big").glob("*.safetensors"))
     assert size > 90 * 2**20
-    mp.spawn(_memory_worker, args=(free_port(), str(tmp_path / "big"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_memory_worker, args=(free_port(), str(tmp_path / "big"), str(tmp_path)), nprocs=2)
     for rank in range(2):
         result = torch.load(tmp_path / f"mem{rank}.pt")
         print(

@@ -8,8 +8,7 @@ import json
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import end_worker, free_port
+from conftest import end_worker, free_port, spawn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -100,7 +99,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_local_shard_step_matches_dtensor_step(tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path / "result")), nprocs=2, join=True)
+    spawn(_worker, args=(free_port(), str(tmp_path / "result")), nprocs=2)
     for rank in range(2):
         results = json.loads((tmp_path / f"result.{rank}").read_text())
         assert len(results) == len(MESHES) * len(OPTIMIZERS) + 2

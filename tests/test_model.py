@@ -5,9 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import end_worker, free_port
+from conftest import end_worker, free_port, spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -233,7 +232,7 @@ def _fsdp_worker(rank: int, world_size: int, port: int, out: str) -> None:
 def test_materialize_under_fsdp2_matches_single_rank(tmp_path):
     port = free_port()
     out = tmp_path / "rank0.pt"
-    mp.spawn(_fsdp_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    spawn(_fsdp_worker, args=(2, port, str(out)), nprocs=2)
     sharded = torch.load(out)
 
     single = tiny_model(seed=7, config_overrides={"text_config": {"vocab_size": 509}})

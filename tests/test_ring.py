@@ -14,8 +14,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import PARITY, end_worker, free_port, mean_relative_error, read_metrics, train
+from conftest import PARITY, end_worker, free_port, mean_relative_error, read_metrics, spawn, train
 from test_context import compare_split, text_config
 from test_context import inputs as context_inputs
 from torch import nn
@@ -406,7 +405,7 @@ def _ring_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_ring_language_model_matches_unsplit(tmp_path):
-    mp.spawn(_ring_worker, args=(4, free_port(), str(tmp_path / "errors")), nprocs=4, join=True)
+    spawn(_ring_worker, args=(4, free_port(), str(tmp_path / "errors")), nprocs=4)
     for rank in range(4):
         found = json.loads((tmp_path / f"errors.{rank}").read_text())
         assert len(found["alone"]) == len(CASES)

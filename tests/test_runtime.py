@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import free_port, spawn
 
 from glm45v_fsdp.config import ParallelConfig
 from glm45v_fsdp.errors import UserError
@@ -437,7 +436,7 @@ def _mesh_worker(rank: int, port: int) -> None:
 
 
 def test_four_gloo_ranks_meshes_and_hsdp():
-    mp.spawn(_mesh_worker, args=(free_port(),), nprocs=4)
+    spawn(_mesh_worker, args=(free_port(),), nprocs=4)
 
 
 # ---------------------------------------------------------------------------------------------------------------

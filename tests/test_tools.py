@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import end_worker, free_port
+from conftest import end_worker, free_port, spawn
 from torch.distributed.tensor import DTensor
 from transformers import Glm4vMoeForConditionalGeneration
 
@@ -246,7 +245,7 @@ def test_estimator_equals_a_real_fsdp2_allocation(tmp_path, capsys, world, extra
     """Dense parameters sharded unevenly (vocab 509); with EP 2 on 4 ranks the expert stacks split 2 ways on dim 0
     and 2 ways on dim 1 (efsdp): the estimate's bytes per rank are the allocation's, byte for byte."""
     port = free_port()
-    mp.spawn(_allocation_worker, args=(world, port, str(tmp_path), extra), nprocs=world, join=True)
+    spawn(_allocation_worker, args=(world, port, str(tmp_path), extra), nprocs=world)
     estimate = preflight_json(capsys, "--world-size", str(world), *EXACT_OVERRIDES, *extra)["memory"]["per_rank"]
     real = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
     assert real[0]["params"] != real[-1]["params"]  # uneven shards: the ranks differ

@@ -11,11 +11,16 @@ A job ends as torchrun ends one: when a rank exits non-zero the others get SIGTE
 status is the first failing rank's (0 when every rank succeeded). Tests of the launchers themselves (torchrun,
 deepspeed, ds-fsdp, srun, mpirun, the console script) start real launchers and interpreters and never come here.
 
+Targets: `train` (glm45v_fsdp.train's main), `multi_run` (tests/multi_run.py) and `call:MODULE:FUNCTION` (a test
+module's worker, called as torch.multiprocessing.spawn calls one: `FUNCTION(rank, *args)`; the job sets no launcher
+variables then, as spawn does not).
+
 Protocol: one JSON request per line on stdin, one JSON reply per line on the channel the client names.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -51,7 +56,7 @@ def child(request: dict, rank: int, port: int, replies_fd: int) -> None:
         random.seed()  # the fork copied the zygote's generator state; a fresh process seeds from the OS
         os.environ.clear()
         os.environ.update(request["env"])
-        if request["nproc"] > 1:
+        if request["nproc"] > 1 and not request["target"].startswith("call:"):
             os.environ.update(
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
@@ -70,11 +75,15 @@ def child(request: dict, rank: int, port: int, replies_fd: int) -> None:
 
             sys.argv = ["glm45v_fsdp/train.py", *request["argv"]]
             code = main(request["argv"])
-        else:
+        elif request["target"] == "multi_run":
             import multi_run
 
             sys.argv = ["tests/multi_run.py", *request["argv"]]
             multi_run.main(*request["argv"])
+            code = 0
+        else:  # "call": a test module's worker function, as torch.multiprocessing.spawn calls it
+            module, function = request["target"].removeprefix("call:").split(":")
+            getattr(importlib.import_module(module), function)(rank, *request["argv"])
             code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
