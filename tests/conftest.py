@@ -1,6 +1,7 @@
-"""Shared helpers and fixtures of the test suite: a free port, the clean environment of child processes, running the
-trainer and multi-rank workers as real processes forked from a pre-imported one (tests/zygote.py), reading metrics, the parity error, and ending spawned gloo workers. Test modules import
-the helpers with `from conftest import ...` (pytest puts tests/ on sys.path)."""
+"""Shared helpers and fixtures of the test suite: a free port, the clean environment of child processes, running
+the trainer and multi-rank workers as real processes forked from a pre-imported one (tests/zygote.py), reading
+metrics, the parity error, and ending spawned gloo workers. Test modules import the helpers with
+`from conftest import ...` (pytest puts tests/ on sys.path)."""
 
 from __future__ import annotations
 
