@@ -134,6 +134,16 @@ def trainer(argv: list[str], nproc: int = 1, env: dict | None = None, timeout: f
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def python(argv: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600):
+    """`python ARGV` (`[script, ...]` or `["-m", module, ...]`; under torchrun when nproc > 1), forked by the
+    zygote when `env` agrees with its imports, else a fresh interpreter; a CompletedProcess either way."""
+    env = env or clean_env()
+    command = [sys.executable, *argv] if nproc == 1 else torchrun(nproc, *argv)
+    if Zygote.accepts(env):
+        return Zygote.session().run("python", list(argv), nproc, env, timeout, command)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def spawn(worker: Callable[..., None], args: tuple = (), nprocs: int = 1, timeout: float = 600) -> None:
     """`torch.multiprocessing.spawn(worker, args, nprocs)` from the zygote: `worker(rank, *args)` in `nprocs`
     forked processes (a module-level function of a test module; `args` JSON values). A failing rank fails the

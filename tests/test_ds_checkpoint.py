@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, clean_env, torchrun, trainer
+from conftest import REPO, clean_env, python, trainer
 
 from glm45v_fsdp.checkpoint.dcp import read_model_tensors
 from glm45v_fsdp.checkpoint.deepspeed import describe, locate, read_deepspeed
@@ -33,8 +33,8 @@ STAGES = ("0", "1", "2", "3")
 
 def run_script(nproc: int, backend: str, phase: str, save_dir: Path, out: Path, *extra: str) -> dict:
     env = {**clean_env(), "DS_ACCELERATOR": "cpu"}
-    command = torchrun(nproc, SCRIPT, f"--backend={backend}", "--phase", phase, "--save_dir", str(save_dir), *extra)
-    result = subprocess.run([*command, "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    argv = [SCRIPT, f"--backend={backend}", "--phase", phase, "--save_dir", str(save_dir), *extra, "--out", str(out)]
+    result = python(argv, nproc, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -161,15 +161,15 @@ def test_trainer_resumes_a_deepspeed_run_of_transformers_glm45v(tmp_path, capsys
     env = {**clean_env(), "DS_ACCELERATOR": "cpu"}
     worker = ["-m", "glm45v_fsdp.tools.bench_deepspeed_worker", "--backend=deepspeed", "--zero=2"]
 
-    def run(command: list[str]) -> None:
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    def run(argv: list[str], nproc: int) -> None:
+        result = python(argv, nproc, env=env, timeout=900)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
     initial, saves = tmp_path / "initial", tmp_path / "saves"
-    run([sys.executable, *worker, f"--save-initial={initial}"])
-    run(torchrun(2, *worker, "--steps=4", f"--save={saves}", f"--out={tmp_path / 'train.json'}"))
+    run([*worker, f"--save-initial={initial}"], 1)
+    run([*worker, "--steps=4", f"--save={saves}", f"--out={tmp_path / 'train.json'}"], 2)
     resume = ["--steps=1", "--first-step=4", f"--resume={saves}", f"--out={tmp_path / 'resume.json'}"]
-    run(torchrun(2, *worker, *resume))
+    run([*worker, *resume], 2)
     reference = json.loads((tmp_path / "resume.json").read_text())["losses"][0]
     overrides = [
         "model.config_overrides.text_config.num_hidden_layers=2",

@@ -28,7 +28,7 @@ from torch import nn
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from conftest import clean_env as train_env  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import free_port, python  # noqa: E402
 
 import ds_compat  # noqa: E402
 from ds_compat import comm  # noqa: E402
@@ -54,17 +54,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def torchrun(script: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-        str(script),
-        *args,
-    ]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    """`torchrun --nproc_per_node=2 SCRIPT ARGS` (forked by the zygote, conftest.python)."""
+    result = python([str(script), *args], nproc=2, env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 

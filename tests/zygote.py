@@ -11,7 +11,9 @@ A job ends as torchrun ends one: when a rank exits non-zero the others get SIGTE
 status is the first failing rank's (0 when every rank succeeded). Tests of the launchers themselves (torchrun,
 deepspeed, ds-fsdp, srun, mpirun, the console script) start real launchers and interpreters and never come here.
 
-Targets: `train` (glm45v_fsdp.train's main), `multi_run` (tests/multi_run.py) and `call:MODULE:FUNCTION` (a test
+Targets: `train` (glm45v_fsdp.train's main), `multi_run` (tests/multi_run.py), `python` (`python SCRIPT ARGS` or
+`python -m MODULE ARGS`, as the interpreter runs them: `__main__`, sys.argv, the script's folder on sys.path) and
+`call:MODULE:FUNCTION` (a test
 module's worker, called as torch.multiprocessing.spawn calls one: `FUNCTION(rank, *args)`; the job sets no launcher
 variables then, as spawn does not).
 
@@ -24,6 +26,7 @@ import importlib
 import json
 import os
 import random
+import runpy
 import signal
 import sys
 import time
@@ -80,6 +83,16 @@ def child(request: dict, rank: int, port: int, replies_fd: int) -> None:
 
             sys.argv = ["tests/multi_run.py", *request["argv"]]
             multi_run.main(*request["argv"])
+            code = 0
+        elif request["target"] == "python":  # `python SCRIPT ARGS` or `python -m MODULE ARGS`
+            argv = request["argv"]
+            if argv[0] == "-m":
+                sys.argv = [argv[1], *argv[2:]]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = list(argv)
+                sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+                runpy.run_path(argv[0], run_name="__main__")
             code = 0
         else:  # "call": a test module's worker function, as torch.multiprocessing.spawn calls it
             module, function = request["target"].removeprefix("call:").split(":")
