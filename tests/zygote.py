@@ -1,4 +1,5 @@
-"""A pre-imported trainer process that forks the test suite's training runs (`conftest.train`, `train_many`).
+"""A pre-imported process that forks the test suite's trainer runs and multi-rank workers (`conftest.train`,
+`trainer`, `train_many`, `python`, `spawn`).
 
 A trainer run of the tiny model takes about 6 s on this machine, of which about 5 s is the interpreter start-up and
 importing torch and transformers; the 20 steps of a parity run take about 1 s. The zygote imports everything the
@@ -13,9 +14,9 @@ deepspeed, ds-fsdp, srun, mpirun, the console script) start real launchers and i
 
 Targets: `train` (glm45v_fsdp.train's main), `multi_run` (tests/multi_run.py), `python` (`python SCRIPT ARGS` or
 `python -m MODULE ARGS`, as the interpreter runs them: `__main__`, sys.argv, the script's folder on sys.path) and
-`call:MODULE:FUNCTION` (a test
-module's worker, called as torch.multiprocessing.spawn calls one: `FUNCTION(rank, *args)`; the job sets no launcher
-variables then, as spawn does not).
+`call:MODULE:FUNCTION` (a test module's worker, called as torch.multiprocessing.spawn calls one:
+`FUNCTION(rank, *args)`; the job sets no launcher variables then, as spawn does not). Modules a run imports beyond
+the preloaded ones (DeepSpeed, for one) are imported by each rank after the fork, in its own environment.
 
 Protocol: one JSON request per line on stdin, one JSON reply per line on the channel the client names.
 """
