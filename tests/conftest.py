@@ -57,18 +57,23 @@ def torchrun(nproc: int, *target: str) -> list[str]:
 
 
 class Zygote:
-    """The client of tests/zygote.py: one pre-imported process per session that forks the trainer runs of
-    `train` and `train_many` (each rank a real process; the interpreter start-up and imports, ~5 s of a ~6 s run,
-    are paid once)."""
+    """The client of tests/zygote.py: one pre-imported process per session that forks the runs of `train`,
+    `trainer`, `train_many`, `python` and `spawn` (each rank a real process; the interpreter start-up and imports,
+    ~5 s of a ~6 s run, are paid once). It starts with the session's clean environment (`base_env`, taken before
+    the first test); a run whose environment differs from it outside RUNTIME_PREFIXES starts a fresh interpreter."""
 
+    # variables read when a run uses them, never at import (pytest sets PYTEST_CURRENT_TEST per test)
+    RUNTIME_PREFIXES = ("GLM45V_", "DS_", "PYTEST_")
+    base_env: dict[str, str] | None = None
     _session: Zygote | None = None
+    _starting = threading.Lock()
 
     def __init__(self) -> None:
         read_fd, write_fd = os.pipe()
         self.process = subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "zygote.py"), str(write_fd)],
             cwd=REPO,
-            env=clean_env(),
+            env=self.environment(),
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             pass_fds=(write_fd,),
@@ -81,10 +86,15 @@ class Zygote:
             raise RuntimeError(f"tests/zygote.py did not start (exit status {self.process.wait()})")
 
     @classmethod
+    def environment(cls) -> dict[str, str]:
+        return cls.base_env if cls.base_env is not None else clean_env()
+
+    @classmethod
     def session(cls) -> Zygote:
-        if cls._session is None or cls._session.process.poll() is not None:
-            cls._session = cls()
-        return cls._session
+        with cls._starting:
+            if cls._session is None or cls._session.process.poll() is not None:
+                cls._session = cls()
+            return cls._session
 
     @classmethod
     def stop(cls) -> None:
@@ -93,11 +103,12 @@ class Zygote:
             cls._session.process.wait(timeout=30)
         cls._session = None
 
-    @staticmethod
-    def accepts(env: dict[str, str]) -> bool:
-        """A run whose environment the zygote's imports agree with (threads and import path as it started)."""
-        base = clean_env()
-        return all(env.get(key) == base[key] for key in ("OMP_NUM_THREADS", "PYTHONPATH"))
+    @classmethod
+    def accepts(cls, env: dict[str, str]) -> bool:
+        """Whether a run in `env` sees what the zygote's imports saw: the same variables, but for run-time ones."""
+        base = cls.environment()
+        differing = {key for key in env.keys() | base.keys() if env.get(key) != base.get(key)}
+        return all(key.startswith(cls.RUNTIME_PREFIXES) for key in differing)
 
     def run(self, target: str, argv: list[str], nproc: int, env: dict[str, str], timeout: float, args: list[str]):
         with tempfile.TemporaryDirectory() as scratch:
@@ -146,8 +157,8 @@ def python(argv: list[str], nproc: int = 1, env: dict | None = None, timeout: fl
 
 def spawn(worker: Callable[..., None], args: tuple = (), nprocs: int = 1, timeout: float = 600) -> None:
     """`torch.multiprocessing.spawn(worker, args, nprocs)` from the zygote: `worker(rank, *args)` in `nprocs`
-    forked processes (a module-level function of a test module; `args` JSON values). A failing rank fails the
-    test with its output."""
+    forked processes (a module-level function of a test module; `args` JSON values), in the clean environment
+    (one CPU thread) rather than the test process's. A failing rank fails the test with its output."""
     target = f"call:{worker.__module__}:{worker.__name__}"
     command = [f"spawn {worker.__module__}.{worker.__name__} x{nprocs}"]
     result = Zygote.session().run(target, list(args), nprocs, clean_env(), timeout, command)
@@ -205,7 +216,9 @@ def end_worker() -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def zygote_session():
-    """Ends the zygote (if a test started it) with the session."""
+    """Takes the zygote's environment before the first test (a test may change os.environ) and ends the zygote
+    (if a test started it) with the session."""
+    Zygote.base_env = clean_env()
     yield
     Zygote.stop()
 

@@ -53,8 +53,8 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun(script: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node=2 SCRIPT ARGS` (forked by the zygote, conftest.python)."""
+def two_ranks(script: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=2 SCRIPT ARGS`, forked by the zygote (conftest.python)."""
     result = python([str(script), *args], nproc=2, env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
@@ -74,7 +74,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         out = root / "result.json"
         args = ("--zero", ",".join(STAGES), "--steps", str(STEPS), "--out", str(out), "--save_dir", str(root / "ck"))
         if backend == "deepspeed":  # without DeepSpeed's JIT-compiled shm all-reduce (see the runner's docstring)
-            torchrun(REFERENCE_RUNNER, str(SCRIPT), *args, env=clean_env(DS_API_BACKEND="deepspeed"))
+            two_ranks(REFERENCE_RUNNER, str(SCRIPT), *args, env=clean_env(DS_API_BACKEND="deepspeed"))
         else:  # the same `import deepspeed` script, switched by the launcher alone
             launch = [sys.executable, "-m", "ds_compat.launcher", "--num_gpus", "2", "--master_port", str(free_port())]
             command = [*launch, str(SCRIPT), *args]
@@ -146,7 +146,7 @@ def test_zero_to_fp32_cli(runs, tmp_path):
 
 def test_sharded_engine_checks(tmp_path):
     out = tmp_path / "checks.json"
-    torchrun(WORKER, "--out", str(out), "--save_dir", str(tmp_path / "ck"), env=clean_env())
+    two_ranks(WORKER, "--out", str(out), "--save_dir", str(tmp_path / "ck"), env=clean_env())
     checks = json.loads(out.read_text())
     for key in (
         "optimizer_rebuilt",

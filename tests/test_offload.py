@@ -5,7 +5,6 @@ and combined with chunk loss and recompute; 1 and 2 ranks)."""
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -313,15 +312,11 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
-    """The four ON runs (2 modes x 1 and 2 ranks) at once: they are single-threaded processes, so the two cores share
-    them instead of waiting for each other. The OFF runs come from the shared `parity_off` fixture."""
+    """The four ON runs (2 modes x 1 and 2 ranks); the OFF runs come from the shared `parity_off` fixture."""
     root = tmp_path_factory.mktemp("offload")
-    jobs = [(nproc, mode) for nproc in (1, 2) for mode in MODES]
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {job: pool.submit(train, root / f"{job[1]}_{job[0]}", PARITY + MODES[job[1]], job[0]) for job in jobs}
     runs = {}
-    for (nproc, mode), future in futures.items():
-        result = future.result()
+    for nproc, mode in [(nproc, mode) for nproc in (1, 2) for mode in MODES]:
+        result = train(root / f"{mode}_{nproc}", PARITY + MODES[mode], nproc)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[nproc, mode] = result.stdout, read_metrics(root / f"{mode}_{nproc}")
     return runs

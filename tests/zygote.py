@@ -6,11 +6,17 @@ importing torch and transformers; the 20 steps of a parity run take about 1 s. T
 trainer imports once, then forks each run's ranks from that state: every rank is still a real process with its own
 environment, working directory, stdout/stderr, process group (env:// rendezvous with MASTER_ADDR/PORT, RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE as torchrun exports them) and exit status; only the imports are shared.
-The zygote never runs a torch op or starts a thread before it forks, so the children start as a fresh process does.
+The zygote never runs a torch op or starts a thread before it forks, so no thread or OpenMP pool is inherited. What
+the ranks do share, unlike fresh interpreters: str hashing's seed (a set of strings iterates in the same order on
+every rank) and what the preloaded modules did at import (warnings already shown, variables already read: runs whose
+environment differs from the zygote's outside GLM45V_* / DS_* start fresh interpreters instead, conftest.Zygote).
+The suite's launcher tests run real interpreters per rank. A rank ends as the interpreter ends: an uncaught
+exception goes through sys.excepthook, then non-daemon threads are joined and atexit functions run.
 
-A job ends as torchrun ends one: when a rank exits non-zero the others get SIGTERM, then SIGKILL after 30 s; its
-status is the first failing rank's (0 when every rank succeeded). Tests of the launchers themselves (torchrun,
-deepspeed, ds-fsdp, srun, mpirun, the console script) start real launchers and interpreters and never come here.
+A job ends as torchrun ends one: when a rank exits non-zero the others get SIGTERM, then SIGKILL after 30 s. Its
+status is the first failing rank's (0 when every rank succeeded; torchrun itself would exit 1). Tests of the
+launchers themselves (torchrun, deepspeed, ds-fsdp, srun, mpirun, the console script) start real launchers and
+interpreters and never come here.
 
 Targets: `train` (glm45v_fsdp.train's main), `multi_run` (tests/multi_run.py), `python` (`python SCRIPT ARGS` or
 `python -m MODULE ARGS`, as the interpreter runs them: `__main__`, sys.argv, the script's folder on sys.path) and
@@ -23,17 +29,20 @@ Protocol: one JSON request per line on stdin, one JSON reply per line on the cha
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import importlib
 import json
 import os
-import random
 import runpy
 import signal
 import sys
+import threading
 import time
-import traceback
 
 TERM_GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL when it stops a failed job's workers
+MONITOR_INTERVAL_S = 0.1  # torchrun's default --monitor-interval
+PR_SET_PDEATHSIG = 1
 
 
 def preload() -> None:
@@ -51,13 +60,13 @@ def preload() -> None:
     import glm45v_fsdp.trainer  # noqa: F401
 
 
-def child(request: dict, rank: int, port: int, replies_fd: int) -> None:
+def child(request: dict, rank: int, replies_fd: int) -> None:
     """One rank: its environment, directory and output files, then the target; never returns."""
     code = 1
     try:
         os.close(replies_fd)
         os.setpgid(0, 0)  # its own process group: a timeout kills the rank with everything it started
-        random.seed()  # the fork copied the zygote's generator state; a fresh process seeds from the OS
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no orphan ranks if the zygote dies
         os.environ.clear()
         os.environ.update(request["env"])
         if request["nproc"] > 1 and not request["target"].startswith("call:"):
@@ -67,13 +76,17 @@ def child(request: dict, rank: int, port: int, replies_fd: int) -> None:
                 WORLD_SIZE=str(request["nproc"]),
                 LOCAL_WORLD_SIZE=str(request["nproc"]),
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
+                MASTER_PORT=str(request["port"]),
             )
         os.chdir(request["cwd"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
+        for fd, path, flags in (
+            (0, os.devnull, os.O_RDONLY),
+            (1, request["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT),
+            (2, request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT),
+        ):
+            opened = os.open(path, flags, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
         if request["target"] == "train":
             from glm45v_fsdp.train import main
 
@@ -100,10 +113,27 @@ def child(request: dict, rank: int, port: int, replies_fd: int) -> None:
             getattr(importlib.import_module(module), function)(rank, *request["argv"])
             code = 0
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        code = exit_status(stop)
     except BaseException:
-        traceback.print_exc()  # what the interpreter prints for an uncaught exception, with its status 1
+        sys.excepthook(*sys.exc_info())  # what the interpreter does with an uncaught exception, then status 1
         code = 1
+    finally:
+        interpreter_exit(code)
+
+
+def exit_status(stop: SystemExit) -> int:
+    """The status the interpreter exits with for `stop` (a message is printed and gives 1)."""
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
+def interpreter_exit(code: int) -> None:
+    """End the rank as the interpreter ends: join non-daemon threads, run atexit functions, flush, exit."""
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -118,7 +148,11 @@ def run_job(request: dict, replies_fd: int) -> dict:
     for rank in range(request["nproc"]):
         pid = os.fork()
         if pid == 0:
-            child(request, rank, request["port"], replies_fd)
+            child(request, rank, replies_fd)
+        try:
+            os.setpgid(pid, pid)  # also here: a sibling may be signalled before the child ran its own setpgid
+        except OSError:  # it has already ended, or already set it
+            pass
         pids.append(pid)
     deadline = time.monotonic() + request["timeout"]
     running, first_failure, kill_at = set(pids), None, None
@@ -139,8 +173,9 @@ def run_job(request: dict, replies_fd: int) -> dict:
                 _signal_group(pid, signal.SIGKILL)
             for pid in running:
                 os.waitpid(pid, 0)
-            return {"returncode": -signal.SIGKILL, "timed_out": now > deadline}
-        time.sleep(0.02)
+            timed_out = now > deadline
+            return {"returncode": -signal.SIGKILL if timed_out else first_failure, "timed_out": timed_out}
+        time.sleep(MONITOR_INTERVAL_S)
     return {"returncode": first_failure or 0, "timed_out": False}
 
 
