@@ -104,11 +104,16 @@ class Zygote:
         cls._session = None
 
     @classmethod
+    def differing(cls, env: dict[str, str]) -> set[str]:
+        """The variables of `env` that differ from the zygote's (added, removed or changed), run-time ones aside."""
+        base = cls.environment()
+        keys = {key for key in env.keys() | base.keys() if env.get(key) != base.get(key)}
+        return {key for key in keys if not key.startswith(cls.RUNTIME_PREFIXES)}
+
+    @classmethod
     def accepts(cls, env: dict[str, str]) -> bool:
         """Whether a run in `env` sees what the zygote's imports saw: the same variables, but for run-time ones."""
-        base = cls.environment()
-        differing = {key for key in env.keys() | base.keys() if env.get(key) != base.get(key)}
-        return all(key.startswith(cls.RUNTIME_PREFIXES) for key in differing)
+        return not cls.differing(env)
 
     def run(self, target: str, argv: list[str], nproc: int, env: dict[str, str], timeout: float, args: list[str]):
         with tempfile.TemporaryDirectory() as scratch:
@@ -221,6 +226,17 @@ def zygote_session():
     Zygote.base_env = clean_env()
     yield
     Zygote.stop()
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """No test's change to os.environ reaches the next one (in-process trainer code exports variables, e.g. the
+    deterministic mode's CUBLAS_WORKSPACE_CONFIG); pytest's own PYTEST_CURRENT_TEST is left to pytest."""
+    saved = {key: value for key, value in os.environ.items() if key != "PYTEST_CURRENT_TEST"}
+    yield
+    for key in [key for key in os.environ if key not in saved and key != "PYTEST_CURRENT_TEST"]:
+        del os.environ[key]
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")
