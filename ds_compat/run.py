@@ -32,6 +32,13 @@ def main(argv: list[str]) -> int:
         os.environ["PYTHONPATH"] = alias.with_shim(os.environ.get("PYTHONPATH"))
         sys.path.insert(0, str(alias.SHIM_DIR))
         alias.take_over()
+    run_as_python(argv)
+    return 0
+
+
+def run_as_python(argv: list[str]) -> None:
+    """Run `argv` (`[script, ...]` or `["-m", module, ...]`) as `python ARGV` would in this process: as
+    `__main__`, with its sys.argv, a script's folder first on sys.path."""
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -39,7 +46,6 @@ def main(argv: list[str]) -> int:
         sys.argv = list(argv)
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
         runpy.run_path(argv[0], run_name="__main__")
-    return 0
 
 
 if __name__ == "__main__":

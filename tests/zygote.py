@@ -34,7 +34,6 @@ import ctypes
 import importlib
 import json
 import os
-import runpy
 import signal
 import sys
 import threading
@@ -99,14 +98,9 @@ def child(request: dict, rank: int, replies_fd: int) -> None:
             multi_run.main(*request["argv"])
             code = 0
         elif request["target"] == "python":  # `python SCRIPT ARGS` or `python -m MODULE ARGS`
-            argv = request["argv"]
-            if argv[0] == "-m":
-                sys.argv = [argv[1], *argv[2:]]
-                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-            else:
-                sys.argv = list(argv)
-                sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-                runpy.run_path(argv[0], run_name="__main__")
+            from ds_compat.run import run_as_python
+
+            run_as_python(request["argv"])
             code = 0
         else:  # "call": a test module's worker function, as torch.multiprocessing.spawn calls it
             module, function = request["target"].removeprefix("call:").split(":")
