@@ -140,14 +140,8 @@ def train(output_dir: Path, overrides: list[str], nproc: int = 1, env: dict | No
 
 
 def trainer(argv: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600):
-    """`python -m glm45v_fsdp.train ARGV` (under torchrun when nproc > 1): forked by the zygote with torchrun's
-    variables, or a fresh interpreter when `env` differs in threads or import path."""
-    env = env or clean_env()
-    module = ["-m", "glm45v_fsdp.train", *argv]
-    command = [sys.executable, *module] if nproc == 1 else torchrun(nproc, *module)
-    if Zygote.accepts(env):
-        return Zygote.session().run("train", argv, nproc, env, timeout, command)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    """`python -m glm45v_fsdp.train ARGV` (under torchrun when nproc > 1), as `python` runs it."""
+    return python(["-m", "glm45v_fsdp.train", *argv], nproc, env, timeout)
 
 
 def python(argv: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600):
@@ -184,8 +178,7 @@ def train_many(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str, 
         items.append({"argv": argv, "log": str(output_dir / "train.log")})
     spec = root / "runs.json"
     spec.write_text(json.dumps(items))
-    command = torchrun(nproc, str(REPO / "tests" / "multi_run.py"), str(spec))
-    result = Zygote.session().run("multi_run", [str(spec)], nproc, clean_env(), 900, command)
+    result = python([str(REPO / "tests" / "multi_run.py"), str(spec)], nproc, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {
         name: (

@@ -18,8 +18,8 @@ status is the first failing rank's (0 when every rank succeeded; torchrun itself
 launchers themselves (torchrun, deepspeed, ds-fsdp, srun, mpirun, the console script) start real launchers and
 interpreters and never come here.
 
-Targets: `train` (glm45v_fsdp.train's main), `multi_run` (tests/multi_run.py), `python` (`python SCRIPT ARGS` or
-`python -m MODULE ARGS`, as the interpreter runs them: `__main__`, sys.argv, the script's folder on sys.path) and
+Targets: `python` (`python SCRIPT ARGS` or `python -m MODULE ARGS`, as the interpreter runs them: `__main__`,
+sys.argv, the script's folder on sys.path; the trainer and tests/multi_run.py run this way) and
 `call:MODULE:FUNCTION` (a test module's worker, called as torch.multiprocessing.spawn calls one:
 `FUNCTION(rank, *args)`; the job sets no launcher variables then, as spawn does not). Modules a run imports beyond
 the preloaded ones (DeepSpeed, for one) are imported by each rank after the fork, in its own environment.
@@ -45,7 +45,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def preload() -> None:
-    """Import what a trainer run imports (the modules `glm45v_fsdp.train.run` imports lazily included)."""
+    """Import what a trainer run imports (the modules `glm45v_fsdp.train.run` imports lazily, and multi_run's)."""
     import multi_run  # noqa: F401
     import transformers.models.glm4v_moe.modeling_glm4v_moe  # noqa: F401
     from transformers import Glm4vImageProcessorPil  # noqa: F401
@@ -86,18 +86,7 @@ def child(request: dict, rank: int, replies_fd: int) -> None:
             opened = os.open(path, flags, 0o644)
             os.dup2(opened, fd)
             os.close(opened)
-        if request["target"] == "train":
-            from glm45v_fsdp.train import main
-
-            sys.argv = ["glm45v_fsdp/train.py", *request["argv"]]
-            code = main(request["argv"])
-        elif request["target"] == "multi_run":
-            import multi_run
-
-            sys.argv = ["tests/multi_run.py", *request["argv"]]
-            multi_run.main(*request["argv"])
-            code = 0
-        elif request["target"] == "python":  # `python SCRIPT ARGS` or `python -m MODULE ARGS`
+        if request["target"] == "python":  # `python SCRIPT ARGS` or `python -m MODULE ARGS`
             from ds_compat.run import run_as_python
 
             run_as_python(request["argv"])
