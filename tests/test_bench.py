@@ -303,14 +303,17 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
     assert rows[1]["bare_rate_ratio"] == pytest.approx({"deepspeed": 0.76, "ds_compat": 0.95, "trainer": 0.76})
     assert rows[1]["ddp_bare_rate_ratio"] == pytest.approx(0.8)  # DDP's share: the yardstick beside the goal
     assert rows[1]["pass"] == {"ds_compat": True, "trainer": False}  # the trainer is below 0.8 of the bare rate
+    assert rows[1]["below"] == {"ds_compat": [], "trainer": ["0.8 bare"]}  # at 1.0x DeepSpeed: that goal is met
     assert rows[3]["throughput_ratio"]["ds_compat"] == pytest.approx(1.5)
     assert rows[3]["pass"] == {"ds_compat": False, "trainer": True}  # ZeRO-3: 1.5x < 1.6x, 1.71x; no bare goal
+    assert rows[3]["below"]["ds_compat"] == ["1.6× DeepSpeed"]
     assert rows[1]["loss_mean_rel_err"]["trainer"] == pytest.approx(5e-6, rel=1e-3)
     assert rows[1]["peak_mib"]["trainer"] == pytest.approx(512.0)
     assert (
         "| 3 | fp32 | 120.0 · 80.0 · 70.0 [75.0] (38.0) | 1.50× (1.50, 1.50) | 1.71× (1.71, 1.71) |"
         in (tmp_path / "deepspeed.md").read_text()
     )
+    assert "| pass | below 0.8 bare |" in (tmp_path / "deepspeed.md").read_text()  # ZeRO-1: each door's verdict
     assert (tmp_path / "deepspeed.png").stat().st_size > 0
     assert bench.main(["deepspeed", "--dtype", "fp8", "--out", str(tmp_path)]) == 2
 
