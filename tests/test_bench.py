@@ -285,6 +285,10 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
             return [], 1.0, 1.0
         backend, zero = argument(command, "backend"), int(argument(command, "zero"))
         order.append((zero, backend))
+        if backend == "alternate":
+            alone = {"ms": [999.0] + [36.0] * 5, "bare_ms": [999.0] + [40.0] * 5, "losses": losses}
+            Path(argument(command, "out")).write_text(json.dumps({**alone, "bare_losses": [2.0, 1.9, 1.8]}))
+            return [], 1.0, 1.0
         ms = {"bare": 38.0, "ddp": 47.5}.get(backend) or speed[backend][zero]
         losses = [2.0, 1.9, 1.8] if backend == "deepspeed" else losses
         result = {"ms": [999.0] + [ms] * 5, "losses": losses, "peak_bytes_max": 2.0**20}
@@ -294,8 +298,10 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
     monkeypatch.setattr(bench_deepspeed, "execute", fake_execute)
     argv = ["deepspeed", "--zero", "1,3", "--steps", "6", "--warmup", "1", "--rounds", "2", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
-    assert order[:5] == [(0, "bare"), (0, "ddp"), (1, "deepspeed"), (1, "ds_compat"), (1, "trainer")]
-    assert order[8:13] == [(0, "bare"), (0, "ddp"), (1, "ds_compat"), (1, "trainer"), (1, "deepspeed")]
+    first, second = [(2, "alternate"), (0, "bare"), (0, "ddp"), (1, "deepspeed"), (1, "ds_compat"), (1, "trainer")], [
+        (2, "alternate"), (0, "bare"), (0, "ddp"), (1, "ds_compat"), (1, "trainer"), (1, "deepspeed")
+    ]  # fmt: skip
+    assert order[:6] == first and order[9:15] == second
     assert "data.shuffle=false" in trainer_commands[0] and "training.lr_scheduler=constant" in trainer_commands[0]
     rows = {r["zero"]: r for r in json.loads((tmp_path / "deepspeed.json").read_text())["rows"]}
     assert rows[1]["throughput_ratio"] == pytest.approx({"ds_compat": 1.25, "trainer": 1.0})
@@ -314,6 +320,10 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
         in (tmp_path / "deepspeed.md").read_text()
     )
     assert "| pass | below 0.8 bare |" in (tmp_path / "deepspeed.md").read_text()  # ZeRO-1: each door's verdict
+    alone = json.loads((tmp_path / "deepspeed.json").read_text())["alone"]
+    expected = {"dtype": "fp32", "engine_over_bare_ms": 0.9, "per_round": [0.9, 0.9], "loss_mean_rel_err": 5e-6}
+    assert alone == [pytest.approx(expected)]
+    assert "| fp32 | 0.90 (0.90, 0.90) | 5.0e-06 |" in (tmp_path / "deepspeed.md").read_text()
     assert (tmp_path / "deepspeed.png").stat().st_size > 0
     assert bench.main(["deepspeed", "--dtype", "fp8", "--out", str(tmp_path)]) == 2
 
@@ -335,3 +345,18 @@ def test_ops_bench_measures_each_fast_kernel_and_the_training_pair(tmp_path):
     assert (auto["ops"], reference["ops"]) == ("auto", "reference") and len(auto["losses"]) == 2
     assert auto["loss_error"] < 1e-3 and "experts: torch._grouped_mm" in auto["log"]
     assert "| experts | torch._grouped_mm |" in (tmp_path / "ops.md").read_text()
+
+
+def test_deepspeed_bench_alternate_runs_the_bare_loop_and_the_engine_on_equal_terms(tmp_path):
+    """bench deepspeed's 'apart from communication' run: both steps on their own copy of the same weights and the
+    same batches, alternated in one process at 1 rank, so the engine's losses are the bare loop's (fp32)."""
+    from conftest import python
+
+    out = tmp_path / "alternate.json"
+    worker = ["-m", "glm45v_fsdp.tools.bench_deepspeed_worker", "--backend=alternate", "--zero=2", "--steps=3"]
+    result = python([*worker, f"--out={out}"], timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    found = json.loads(out.read_text())
+    assert len(found["ms"]) == len(found["bare_ms"]) == 3 and min(found["ms"] + found["bare_ms"]) > 0
+    assert found["losses"] == pytest.approx(found["bare_losses"], rel=1e-5)
+    assert found["losses"][0] != found["losses"][2]  # both trained: the loss moved

@@ -7,7 +7,9 @@ The workload is transformers' tiny GLM-4.5V with the same weights and batches ev
     from an HF checkpoint, the same batches unshuffled);
   - bare: the same step in one process without any backend, once per dtype and round (the per-rank rate to reach);
   - ddp: the same step on every rank under torch DDP, once per dtype and round: what plain data parallelism reaches of
-    the bare rate on this machine (the yardstick for the bare-loop goal).
+    the bare rate on this machine (the yardstick for the bare-loop goal);
+  - alternate: the bare step and the engine's (ZeRO-2, 1 rank) alternated step by step in one process, once per dtype
+    and round: what the backend costs apart from communication, free of the machine's drift between runs.
 For every (ZeRO stage, dtype) the three run back to back in an order rotated from round to round, so a drift in
 machine speed hits all; `--rounds` repeats the whole set. The figures per row: median ms/step of the steps after
 `--warmup` (per round, then the median over rounds), samples/s, each door's throughput ratio to DeepSpeed per round
@@ -150,6 +152,21 @@ def row(
     return result
 
 
+def alone_row(dtype: str, runs: list[dict], args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's step time over the bare loop's with both in one process at 1 rank (steps alternated): < 1 means
+    the backend's own work (hooks, copies, its optimizer step) costs less than the bare loop's, and so everything
+    above the bare rate at 2 ranks is communication and waiting for the other rank."""
+    ratios = [
+        statistics.median(run["ms"][args.warmup :]) / statistics.median(run["bare_ms"][args.warmup :]) for run in runs
+    ]
+    return {
+        "dtype": dtype,
+        "engine_over_bare_ms": statistics.median(ratios),
+        "per_round": ratios,
+        "loss_mean_rel_err": _mean_rel_err(runs[0]["losses"], runs[0]["bare_losses"]),
+    }
+
+
 def _verdict(result: dict[str, Any], door: str) -> str:
     return "below " + ", ".join(result["below"][door]) if result["below"][door] else "pass"
 
@@ -186,6 +203,18 @@ def markdown(report: dict[str, Any]) -> str:
             f"{peak['trainer']:.1f} | {err['ds_compat']:.1e} · {err['trainer']:.1e} | {r['target']} | "
             f"{_verdict(r, 'ds_compat')} | {_verdict(r, 'trainer')} |"
         )
+    lines += [
+        "",
+        "Apart from communication: the engine (ZeRO-2) and the bare loop in one process at 1 rank, steps alternated:",
+        "",
+        "| dtype | engine ms / bare ms (rounds) | loss rel err |",
+        "|---|---|---|",
+        *[
+            f"| {a['dtype']} | {a['engine_over_bare_ms']:.2f} ({', '.join(f'{x:.2f}' for x in a['per_round'])}) | "
+            f"{a['loss_mean_rel_err']:.1e} |"
+            for a in report["alone"]
+        ],
+    ]
     lines += ["", *[f"- {note}" for note in report["notes"]], ""]
     for r in report["rows"]:
         for backend, table in r["profile"].items():
@@ -224,8 +253,13 @@ def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
         (z, d): {b: [] for b in BACKENDS} for z in stages for d in dtypes
     }
     references: dict[str, dict[str, list[float]]] = {r: {d: [] for d in dtypes} for r in ("bare", "ddp")}
+    alone: dict[str, list[dict]] = {d: [] for d in dtypes}
     for round_index in range(args.rounds):
         for dtype in dtypes:
+            run_dir = args.out / "runs" / f"alternate_{dtype}_r{round_index + 1}"
+            label = f"[round {round_index + 1}/{args.rounds}] bare and engine alternated, 1 rank, {dtype}"
+            alone[dtype].append(_run(args, label, worker_command(args, "alternate", 2, dtype, run_dir / "result.json"),
+                                     run_dir))  # fmt: skip
             for reference, by_dtype in references.items():
                 run_dir = args.out / "runs" / f"{reference}_{dtype}_r{round_index + 1}"
                 found = _run(args, f"[round {round_index + 1}/{args.rounds}] {reference} loop {dtype}",
@@ -256,6 +290,7 @@ def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
         "rows": rows,
+        "alone": [alone_row(dtype, runs, args) for dtype, runs in alone.items()],
         "notes": [
             f"workload: transformers' tiny GLM-4.5V (2 text layers, 8 routed experts, 2-block vision tower), micro "
             f"batch {args.micro} per rank, 256 text tokens + one 64-patch image per sample, AdamW (torch_adam), "

@@ -10,6 +10,10 @@ transformers' own (`model(**batch, labels=...)`). Rank 0 writes per step the wal
 averaged over ranks, and the peak of live tensor bytes of one extra, untimed step (CPU: every tensor Python can
 reach at its start counts as already live, so both backends' flat buffers and shards are included); with
 `--profile`, torch.profiler's top ops of the timed steps 6-10.
+
+`--backend alternate` (one process, no launcher) measures what this backend costs apart from communication: a 1-rank
+gloo group, the bare step on one copy of the model and the ds_compat engine's on another, alternated step by step in
+a rotating order so that the machine's drift hits both; it writes both ms lists and both loss lists.
 """
 
 from __future__ import annotations
@@ -111,6 +115,42 @@ def bare_step(args: argparse.Namespace, model: torch.nn.Module):
     return step
 
 
+def alternate(args: argparse.Namespace) -> dict:
+    """The bare step and the ds_compat engine's step (1 rank: no collective moves data) alternated in one process."""
+    import tempfile
+
+    import ds_compat as deepspeed
+
+    with tempfile.NamedTemporaryFile() as store:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+        bare_model, batches = build_model_and_batches(args, 0, args.world_size)
+        _, _, engine_model = build_model(args, args.world_size)
+        bare = bare_step(args, bare_model)
+        engine, _, _, _ = deepspeed.initialize(
+            model=engine_model, model_parameters=engine_model.parameters(), config=ds_config(args)
+        )
+
+        def engine_step(batch: dict) -> torch.Tensor:
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            return loss.detach().float()
+
+        timed = {"bare": ([], [], bare), "engine": ([], [], engine_step)}
+        for index, batch in enumerate(batches[: args.steps]):
+            for name in ("bare", "engine") if index % 2 == 0 else ("engine", "bare"):
+                ms, losses, step = timed[name]
+                started = time.perf_counter()
+                losses.append(step(batch).item())
+                ms.append((time.perf_counter() - started) * 1000.0)
+    return {
+        "ms": timed["engine"][0],
+        "losses": timed["engine"][1],
+        "bare_ms": timed["bare"][0],
+        "bare_losses": timed["bare"][1],
+    }
+
+
 def save_initial(args: argparse.Namespace, directory: str) -> None:
     """The initial weights as an HF checkpoint and the ds_config, for the trainer door (`--deepspeed`)."""
     _, _, model = build_model(args, args.world_size)
@@ -121,7 +161,7 @@ def save_initial(args: argparse.Namespace, directory: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", choices=("deepspeed", "ds_compat", "bare", "ddp"), required=True)
+    parser.add_argument("--backend", choices=("deepspeed", "ds_compat", "bare", "ddp", "alternate"), required=True)
     parser.add_argument("--zero", type=int, default=2)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--steps", type=int, default=20)
@@ -140,6 +180,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.save_initial:
         save_initial(args, args.save_initial)
+        return
+    if args.backend == "alternate":
+        with open(args.out, "w") as handle:
+            json.dump(alternate(args), handle)
         return
     if args.backend == "bare":
         rank, world, comm = 0, 1, None
