@@ -286,6 +286,7 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
         backend, zero = argument(command, "backend"), int(argument(command, "zero"))
         order.append((zero, backend))
         if backend == "alternate":
+            assert command[:3] == [sys.executable, "-m", "glm45v_fsdp.tools.bench_deepspeed_worker"]  # one process
             alone = {"ms": [999.0] + [36.0] * 5, "bare_ms": [999.0] + [40.0] * 5, "losses": losses}
             Path(argument(command, "out")).write_text(json.dumps({**alone, "bare_losses": [2.0, 1.9, 1.8]}))
             return [], 1.0, 1.0

@@ -42,7 +42,7 @@ def worker_command(args: argparse.Namespace, backend: str, zero: int, dtype: str
     arguments = [f"--backend={backend}", f"--zero={zero}", f"--dtype={dtype}", f"--steps={args.steps}"]
     arguments += [f"--micro={args.micro}", f"--out={out}", f"--world-size={args.ranks}"]
     arguments += ["--profile"] if args.profile else []
-    if backend == "bare":
+    if backend in ("bare", "alternate"):  # one process
         return [sys.executable, "-m", "glm45v_fsdp.tools.bench_deepspeed_worker", *arguments]
     return torchrun_command(args.ranks, "glm45v_fsdp.tools.bench_deepspeed_worker", arguments)
 
