@@ -115,6 +115,19 @@ def bare_step(args: argparse.Namespace, model: torch.nn.Module):
     return step
 
 
+def engine_step(engine):
+    """The script's step on a DeepSpeed-API engine (the real one or ds_compat's): forward, backward, step."""
+
+    def step(batch: dict) -> torch.Tensor:
+        inputs = {key: value.to(engine.device) for key, value in batch.items()}
+        loss = engine(**inputs).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach().float()
+
+    return step
+
+
 def alternate(args: argparse.Namespace) -> dict:
     """The bare step and the ds_compat engine's step (1 rank: no collective moves data) alternated in one process."""
     import tempfile
@@ -125,18 +138,10 @@ def alternate(args: argparse.Namespace) -> dict:
         torch.distributed.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
         bare_model, batches = build_model_and_batches(args, 0, args.world_size)
         _, _, engine_model = build_model(args, args.world_size)
-        bare = bare_step(args, bare_model)
         engine, _, _, _ = deepspeed.initialize(
             model=engine_model, model_parameters=engine_model.parameters(), config=ds_config(args)
         )
-
-        def engine_step(batch: dict) -> torch.Tensor:
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            engine.step()
-            return loss.detach().float()
-
-        timed = {"bare": ([], [], bare), "engine": ([], [], engine_step)}
+        timed = {"bare": ([], [], bare_step(args, bare_model)), "engine": ([], [], engine_step(engine))}
         for index, batch in enumerate(batches[: args.steps]):
             for name in ("bare", "engine") if index % 2 == 0 else ("engine", "bare"):
                 ms, losses, step = timed[name]
@@ -212,13 +217,7 @@ def main() -> None:
         if args.resume:
             engine.load_checkpoint(args.resume)
             assert engine.global_steps == args.first_step, (engine.global_steps, args.first_step)
-
-        def step(batch: dict) -> torch.Tensor:
-            inputs = {key: value.to(engine.device) for key, value in batch.items()}
-            loss = engine(**inputs).loss
-            engine.backward(loss)
-            engine.step()
-            return loss.detach().float()
+        step = engine_step(engine)
 
     ms, losses, profile = [], [], None
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
