@@ -93,6 +93,7 @@ class Report:
     no_effect: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     trainer_notes: set[str] = field(default_factory=set)  # notes about our trainer's door only (not the engine API)
+    misspelled: list[str] = field(default_factory=list)  # top-level keys close to a DeepSpeed key: warnings
 
     def override(self, key: str, value: Any) -> None:
         self.overrides = [item for item in self.overrides if item.split("=", 1)[0] != key]

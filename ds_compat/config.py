@@ -226,6 +226,15 @@ def resolve_auto(ds: dict, base: Config | None, dp_world_size: int) -> tuple[dic
         node[leaf] = value
         filled.append(f"{path}: auto -> {format_value(value)} ({source})")
     leftover = _leftover_autos(ds)
+    misspelled = sections.misspelled_top_level(ds)
+    if leftover and leftover[0] in misspelled:
+        raise key_error(
+            leftover[0],
+            "auto",
+            f"is not a DeepSpeed key: did you mean '{misspelled[leftover[0]]}'? DeepSpeed ignores it, so nothing "
+            "fills its 'auto'",
+            f"Rename it to '{misspelled[leftover[0]]}'.",
+        )
     if leftover:
         raise key_error(
             leftover[0],
@@ -281,20 +290,22 @@ def resolve_batch(ds: dict, dp_world_size: int) -> BatchTriple:
         train, derived = micro * accum * dp, TRAIN_BATCH
     elif train is None:
         raise ConfigError(
-            f"DeepSpeed config sets neither '{TRAIN_BATCH}' nor '{MICRO_BATCH}', and DeepSpeed needs at least one. "
-            f"Add {MICRO_BATCH} (samples per rank per micro step) or {TRAIN_BATCH} (the global batch)."
+            f"DeepSpeed config sets neither '{TRAIN_BATCH}' nor '{MICRO_BATCH}', and DeepSpeed needs at least one."
+            f"{sections.typo_hint(ds, (TRAIN_BATCH, MICRO_BATCH))} Add {MICRO_BATCH} (samples per rank per micro "
+            f"step) or {TRAIN_BATCH} (the global batch)."
         )
     if micro * accum * dp != train:
         how = (
             f" ({derived} = {micro if derived == MICRO_BATCH else accum} derived by floor division)" if derived else ""
         )
+        typos = sections.typo_hint(ds, (TRAIN_BATCH, MICRO_BATCH, ACCUMULATION))
         raise key_error(
             TRAIN_BATCH,
             train,
             f"does not equal {MICRO_BATCH} x {ACCUMULATION} x data-parallel size = {micro} x {accum} x {dp} = "
             f"{micro * accum * dp}, as DeepSpeed requires{how}",
-            f"Choose values with {TRAIN_BATCH} = {MICRO_BATCH} x {ACCUMULATION} x {dp} exactly, or give fewer of "
-            "the three keys and let the rest be derived.",
+            f"{typos.lstrip()}{' ' if typos else ''}Choose values with {TRAIN_BATCH} = {MICRO_BATCH} x "
+            f"{ACCUMULATION} x {dp} exactly, or give fewer of the three keys and let the rest be derived.",
         )
     return BatchTriple(train, micro, accum)
 
@@ -319,6 +330,7 @@ class Translation:
     notes: list[str]
     auto_filled: list[str] = field(default_factory=list)
     trainer_notes: set[str] = field(default_factory=set)  # the notes that concern only our trainer's door
+    misspelled: list[str] = field(default_factory=list)  # warnings: top-level keys close to a DeepSpeed key
     # The ds_config with "auto" values filled (what DeepSpeed itself would be given).
     ds_config: dict = field(default_factory=dict)
     world_size: int = 1
@@ -370,6 +382,7 @@ class Translation:
             "auto_filled": self.auto_filled,
             "no_effect": self.no_effect,
             "notes": self.notes,
+            "misspelled": self.misspelled,
             "ds_config": self.ds_config,
         }
 
@@ -437,6 +450,7 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
         notes=report.notes,
         auto_filled=filled,
         trainer_notes=report.trainer_notes,
+        misspelled=report.misspelled,
         ds_config=ds,
         world_size=world_size,
         dp_world_size=dp,
@@ -474,6 +488,7 @@ def explain_text(translation: Translation, source: str) -> str:
         lines.append(f"Scheduler: {s.type}({', '.join(f'{k}={v!r}' for k, v in s.params.items())})")
         lines.append("  lr after N optimizer steps: " + ", ".join(f"{n}: {s.lr_at(n):.6g}" for n in preview_steps(s)))
     for title, items in (
+        ("WARNING: misspelled keys (no effect)", t.misspelled),
         ('"auto" values filled', t.auto_filled),
         ("Overrides (key.path=value)", t.overrides),
         ("No effect on the FSDP2 backend", t.no_effect),

@@ -260,6 +260,8 @@ class DeepSpeedEngine(nn.Module):
         for note in self.translation.notes:
             if note not in self.translation.trainer_notes:
                 self.log.info("ds_compat: %s", note)
+        for warning in self.translation.misspelled:
+            self.log.warning("ds_compat: %s", warning)
         for item in self.translation.overrides:
             key, _, value = item.partition("=")
             if key in NOT_APPLIED and value not in ("false", "0"):
@@ -357,7 +359,8 @@ class DeepSpeedEngine(nn.Module):
                     tensor.data = tensor.data.to(device)
                     if self.world_size > 1:  # DeepSpeed broadcasts rank 0's values: every rank starts equal
                         dist.broadcast(tensor.data, src=0)
-        apply_fsdp(model, self.plan, self.meshes.dense_shard, pin_memory=False)
+        sharded = apply_fsdp(model, self.plan, self.meshes.dense_shard, pin_memory=False).sharding
+        self.log.info("ds_compat: %s", sharded or "not sharded: the FSDP mesh has one rank")
         setattr(model, SHARDED_AS, sharding)
         if partitioned:
             _fill_from_partitions(model, partitioned, device)

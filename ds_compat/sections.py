@@ -6,7 +6,9 @@ records into a Report; what the engine cannot honour raises a UserError naming t
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from ds_compat import ds_keys
@@ -45,7 +47,23 @@ def _cannot(path: str, value: Any, why: str, fix: str = "Remove the key.") -> Us
     return key_error(path, value, f"cannot be honoured by the FSDP2 backend: {why}", fix)
 
 
+def misspelled_top_level(ds: dict) -> dict[str, str]:
+    """Top-level keys DeepSpeed does not know that are close to one it does: {written: meant}."""
+    known = sorted(ds_keys.KNOWN_TOP)
+    unknown = (key for key in ds if isinstance(key, str) and key not in ds_keys.KNOWN_TOP)
+    return {key: close[0] for key in unknown if (close := difflib.get_close_matches(key, known, n=1, cutoff=0.8))}
+
+
+def typo_hint(ds: dict, meant: Iterable[str]) -> str:
+    """' The config has X (did you mean Y?), which DeepSpeed ignores.' for misspellings of `meant` keys, else ''."""
+    typos = [f"'{key}' (did you mean '{close}'?)" for key, close in misspelled_top_level(ds).items() if close in meant]
+    return f" The config has {', '.join(typos)}, which DeepSpeed does not know and ignores." if typos else ""
+
+
 def check_top_level(ds: dict, report: Report) -> None:
+    """DeepSpeed reads the top level as a plain dict and ignores keys it does not know; so does the translation,
+    but a key close to a known one is a misspelling whose value has no effect: a warning of its own."""
+    misspelled = misspelled_top_level(ds)
     for key, value in ds.items():
         if key in ds_keys.REMOVED_TOP_LEVEL:
             raise key_error(
@@ -55,6 +73,11 @@ def check_top_level(ds: dict, report: Report) -> None:
             check_keys(key, as_section(key, value), ds_keys.STRICT_SECTIONS[key], _STRICT_WHY)
         if key in ds_keys.NO_EFFECT_TOP:
             report.ignore(key)
+        elif key in misspelled:
+            report.misspelled.append(
+                f"'{key}' = {value!r} is not a DeepSpeed key: did you mean '{misspelled[key]}'? DeepSpeed ignores "
+                f"it, and so does the translation: the value has no effect. Rename it to '{misspelled[key]}'."
+            )
         elif key not in ds_keys.KNOWN_TOP:
             report.note(f"'{key}' is not a DeepSpeed key: DeepSpeed ignores it, and so does the translation.")
 

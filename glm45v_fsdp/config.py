@@ -317,13 +317,29 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
 ALL_KEYS: list[str] = _all_keys(Config)
 
 
-def _unknown_key_error(path: str, valid_here: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(path, ALL_KEYS, n=1, cutoff=0.5)
+def closest_keys(key: str, candidates: list[str], limit: int = 3, cutoff: float = 0.5) -> str:
+    """ " Did you mean 'a'? Also close: 'b', 'c'." for the few candidates closest to `key`, or ""."""
+    close = difflib.get_close_matches(key, candidates, n=limit, cutoff=cutoff)
     if not close:
+        return ""
+    others = [k for k in close[1:] if difflib.SequenceMatcher(None, key, k).ratio() >= 0.8]
+    also = f" Also close: {', '.join(repr(k) for k in others)}." if others else ""
+    return f" Did you mean '{close[0]}'?{also}"
+
+
+LEAF_KEYS: list[str] = [key for key in ALL_KEYS if not any(other.startswith(f"{key}.") for other in ALL_KEYS)]
+
+
+def _unknown_key_error(path: str, valid_here: list[str]) -> ConfigError:
+    hint = closest_keys(path, sorted(set(LEAF_KEYS) | set(valid_here)))
+    if not hint:
         leaf = path.rsplit(".", 1)[-1]
-        close = [key for key in ALL_KEYS if key.rsplit(".", 1)[-1] == leaf][:1]
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    return ConfigError(f"Unknown config key '{path}'.{hint} Valid keys here: {', '.join(valid_here)}.")
+        same_leaf = [key for key in ALL_KEYS if key.rsplit(".", 1)[-1] == leaf][:1]
+        hint = f" Did you mean '{same_leaf[0]}'?" if same_leaf else ""
+    if not hint:
+        section = path.rsplit(".", 1)[0] if "." in path else "the top level"
+        hint = f" '{section}' has {len(valid_here)} key(s), none of them close."
+    return ConfigError(f"Unknown config key '{path}'.{hint} docs/config.md lists every key.")
 
 
 def _type_name(tp: Any) -> str:
@@ -727,10 +743,21 @@ def validate_layout(p: ParallelConfig, world_size: int) -> None:
     """Checks that need the world size: every parallel size must divide it."""
     cp = p.ulysses_parallel_size * p.ring_attention_size
     if world_size % (p.data_parallel_replicate_size * cp) != 0:
+        # Name the keys that were set (a size of 1 is the default and divides everything).
+        sizes = {
+            "parallel.data_parallel_replicate_size": p.data_parallel_replicate_size,
+            "parallel.ulysses_parallel_size": p.ulysses_parallel_size,
+            "parallel.ring_attention_size": p.ring_attention_size,
+        }
+        if world_size % cp == 0:  # context parallelism fits: replication is what does not
+            sizes = {"parallel.data_parallel_replicate_size": p.data_parallel_replicate_size}
+        named = {key: size for key, size in sizes.items() if size > 1}
+        product = p.data_parallel_replicate_size * cp
+        keys = " x ".join(f"'{key}' = {size}" for key, size in named.items())
         raise ConfigError(
-            f"Config key 'parallel.data_parallel_replicate_size' = {p.data_parallel_replicate_size} times the "
-            f"context-parallel size {cp} does not divide the world size {world_size}. Choose sizes whose product "
-            f"divides {world_size}."
+            f"Config key{'s' if len(named) > 1 else ''} {keys} need{'' if len(named) > 1 else 's'} a multiple of "
+            f"{product} processes, but the job has {world_size} (world size). Start {product} or a multiple of it "
+            f"(e.g. torchrun --nproc_per_node {product}), or choose sizes whose product divides {world_size}."
         )
     dp_shard = world_size // (p.data_parallel_replicate_size * cp)
     if (dp_shard * cp) % p.expert_parallel_size != 0:

@@ -27,7 +27,7 @@ from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMoE
 
 from glm45v_fsdp.checkpoint.dcp import load_checkpoint, resolve_load
 from glm45v_fsdp.checkpoint.hf import load_hf_weights
-from glm45v_fsdp.checkpoint.layout import KeyDiff, describe_diff
+from glm45v_fsdp.checkpoint.layout import KeyDiff, describe_diff, summarize_keys
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.memory.chunk_loss import apply_chunk_loss, choose_chunk
@@ -68,6 +68,7 @@ class PlanContext:
 class Plan:
     name: str
     key: str  # the config key that switches the plan or holds its patterns
+    logs_itself = False  # its matches are logged with what it did (apply_plans logs the others')
 
     def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
         raise NotImplementedError
@@ -372,6 +373,7 @@ class _PlanOnlyMesh:
 
 class FsdpPlan(Plan):
     name, key = "fsdp", "parallel.fsdp_plan.apply_modules"
+    logs_itself = True
 
     def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
         return True
@@ -380,8 +382,9 @@ class FsdpPlan(Plan):
         plan = ctx.config.parallel.fsdp_plan
         if ctx.dry:
             plan = dataclasses.replace(plan, cpu_offload=False)
-            return apply_fsdp(model, plan, _PlanOnlyMesh(), pin_memory=False, required_units=REQUIRED_FSDP_UNITS)
-        matches = apply_fsdp(
+            dry = apply_fsdp(model, plan, _PlanOnlyMesh(), pin_memory=False, required_units=REQUIRED_FSDP_UNITS)
+            return dry.matches
+        applied = apply_fsdp(
             model,
             plan,
             ctx.meshes.dense_shard,
@@ -390,14 +393,12 @@ class FsdpPlan(Plan):
             expert_units=expert_sharded_modules(model),
             expert_mesh=ctx.meshes.expert_shard,
         )
-        if not is_sharded(model):
-            get_logger().info(
-                "[plan fsdp] not applied: the FSDP mesh has one rank, so there is nothing to shard; modules stay "
-                "plain and param_dtype=%s runs %s",
-                plan.param_dtype,
-                "under autocast" if plan.param_dtype != "fp32" else "as is",
-            )
-        return matches
+        sharding = applied.sharding or (
+            "not sharded: the FSDP mesh has one rank; the modules stay plain and param_dtype="
+            f"{plan.param_dtype} runs {'under autocast' if plan.param_dtype != 'fp32' else 'as is'}"
+        )
+        get_logger().info(format_matches(self.name, applied.matches, sharding))
+        return applied.matches
 
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
         plan = config.parallel.fsdp_plan
@@ -454,6 +455,13 @@ def _load_hf(model: nn.Module, directory: Path, strict: bool) -> None:
         report.bytes_read / 2**20,
         report.expert_layout,
     )
+    if report.ignored:
+        get_logger().info(
+            "weights: %d checkpoint tensor(s) skipped, as transformers skips them (keys the model class declares "
+            "ignorable, multi-token-prediction layers, tied-weight aliases): %s",
+            len(report.ignored),
+            summarize_keys(report.ignored),
+        )
     leftovers = KeyDiff(report.missing, report.unexpected, report.mismatched)
     if not leftovers.ok:
         get_logger().warning(
@@ -492,6 +500,6 @@ def apply_plans(model: nn.Module, ctx: PlanContext) -> dict[str, list[PlanMatch]
     matched: dict[str, list[PlanMatch]] = {}
     for plan in enabled_plans(ctx.config, ctx.dims, ctx.hf_config):
         matched[plan.name] = plan.apply(model, ctx)
-        if matched[plan.name]:
+        if matched[plan.name] and not plan.logs_itself:
             log.info(format_matches(plan.name, matched[plan.name]))
     return matched

@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from glm45v_fsdp.errors import Preempted, TrainingStopped, UserError, report_user_error
-from glm45v_fsdp.runtime.preemption import EXIT_PREEMPTED
-from glm45v_fsdp.runtime.watchdog import current_watchdog
 
 if TYPE_CHECKING:
     from torch import nn
@@ -93,8 +91,9 @@ def deepspeed_config_path(args: argparse.Namespace) -> str | None:
 
 def run(argv: list[str]) -> dict:
     """Parse, validate, build, resume (DCP), train, export (training.save_hf); returns the end-of-run summary."""
+    args = parse_args(argv)  # before torch is imported: --help and usage errors answer at once
     from glm45v_fsdp.builders import build_loader, build_model, build_runtime, build_training_data
-    from glm45v_fsdp.checkpoint.dcp import auto_resume, check_save_targets, resolve_load
+    from glm45v_fsdp.checkpoint.dcp import auto_resume, check_save_targets, load_model_weights, resolve_load
     from glm45v_fsdp.checkpoint.deepspeed import read_deepspeed
     from glm45v_fsdp.checkpoint.state import data_start_step, read_trainer_state
     from glm45v_fsdp.config import load_config
@@ -104,7 +103,6 @@ def run(argv: list[str]) -> dict:
     from glm45v_fsdp.runtime import shutdown
     from glm45v_fsdp.trainer import Trainer
 
-    args = parse_args(argv)
     config = load_config(args.config, args.overrides)
     ds_run = None
     ds_path = deepspeed_config_path(args)
@@ -117,6 +115,7 @@ def run(argv: list[str]) -> dict:
         config = ds_run.config
     check_outputs(config.training)
     check_save_targets(config.training)
+    config.training, weights_line = load_model_weights(config)
     config.training, resume_line = auto_resume(config.training)
     source = resolve_load(config.training)  # path errors before any collective; build_model loads HF weights
     resume = source if source is not None and source.format in ("dcp", "deepspeed") else None
@@ -126,8 +125,9 @@ def run(argv: list[str]) -> dict:
     try:
         setup_logging(runtime.env.rank)
         get_logger().info(runtime.cpu_threads)
-        if resume_line is not None:
-            get_logger().info(resume_line)
+        for line in (weights_line, resume_line):
+            if line is not None:
+                get_logger().info(line)
         data = build_training_data(config, hf_config)  # a bad data file stops the run before the model is built
         if ds_run is not None:
             record_deepspeed_config(ds_run, runtime.is_main)
@@ -163,6 +163,8 @@ def record_deepspeed_config(ds_run: object, is_main: bool) -> None:
     if not is_main:
         return
     get_logger().info("DeepSpeed config translated onto the FSDP2 engine:\n%s", ds_run.explain())
+    for warning in ds_run.translation.misspelled:
+        get_logger().warning("DeepSpeed config: %s", warning)
     output_dir = Path(ds_run.config.training.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "ds_config.json").write_text(json.dumps(ds_run.translation.ds_config, indent=2) + "\n")
@@ -188,6 +190,8 @@ def end_process(code: int) -> NoReturn:
 
 def report_failure(error: BaseException) -> None:
     """Tell the other ranks (runtime/watchdog.py) that this one is ending on an error, so none waits for it."""
+    from glm45v_fsdp.runtime.watchdog import current_watchdog
+
     watchdog = current_watchdog()
     if watchdog is not None:
         watchdog.report_failure(f"{type(error).__name__}: {str(error)[:300]}")
@@ -207,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"glm45v-train: {error}", file=sys.stderr)
         return EXIT_STOPPED
     except Preempted as error:  # every rank stops at the same step: not a failure of one
+        from glm45v_fsdp.runtime.preemption import EXIT_PREEMPTED
+        from glm45v_fsdp.runtime.watchdog import current_watchdog
+
         watchdog = current_watchdog()
         if watchdog is not None:
             watchdog.finish()

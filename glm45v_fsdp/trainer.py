@@ -111,11 +111,12 @@ class Trainer:
         self.skipped_steps = 0
         self.consumed_samples = 0
         self.records: list[StepRecord] = []
-        self.output_dir = Path(training.output_dir)
+        self.output_dir = Path(training.output_dir).expanduser().absolute()  # a relative one is the cwd's
         self.sink: MetricsSink | None = None  # rank 0 opens it at the first record, after a resume set the step
         if runtime.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_yaml(config))
+            self.log.info("outputs: %s (config.yaml, metrics.jsonl, summary.json)", self.output_dir)
         self.fault = Fault.from_env()
         self.checkpointer = Checkpointer(training, runtime.env.rank, self.fault) if training.save else None
         self.preemption = PreemptionWatch()
@@ -468,7 +469,7 @@ class Trainer:
         if self.sink is not None:
             self.sink.write_summary(summary)
             self.sink.close()
-            self.log.info(format_summary(summary))
+            self.log.info("%s | results in %s", format_summary(summary), self.output_dir)
         return summary
 
     def _loop(self, iterator: Iterator[Batch], bar: tqdm) -> None:

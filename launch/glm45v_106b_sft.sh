@@ -4,8 +4,8 @@
 #   on each node (by hand, pdsh, or a scheduler):  NODE_RANK=<0..15> MASTER_ADDR=<node 0> launch/glm45v_106b_sft.sh
 #   by Slurm, one task per node:   sbatch --nodes=16 --ntasks-per-node=1 --exclusive \
 #                                      --wrap "srun --kill-on-bad-exit=1 launch/glm45v_106b_sft.sh"
-# Arguments are config overrides, e.g. model.name_or_path=/models/GLM-4.5V data.data_path=/data/sft.jsonl
-# data.image_root=/data/images training.output_dir=/ckpt/sft. Settings: NNODES (16, or Slurm's node count),
+# Arguments are config overrides, e.g. model.name_or_path=/models/GLM-4.5V (its weights are the start)
+# data.data_path=/data/sft.jsonl data.image_root=/data/images training.output_dir=/ckpt/sft. Settings: NNODES (16, or Slurm's node count),
 # NPROC_PER_NODE (8), NODE_RANK (or SLURM_NODEID), MASTER_ADDR (or Slurm's first node), MASTER_PORT (29500),
 # CONFIG, ENV_SCRIPT (launch/ascend_env.sh: CANN, HCCL and torch_npu settings; empty to skip).
 # The exit code is torchrun's: 0, or 1 when any rank of this node failed (with srun --kill-on-bad-exit=1, one failed

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +19,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# DeepSpeed JIT-builds its CPU ops (e.g. deepspeed_shm_comm) into TORCH_EXTENSIONS_DIR, by default the user-wide
+# ~/.cache/torch_extensions that every other DeepSpeed on the machine shares: another version's build there crashed
+# the reference runs. The suite gets a directory of its own (DeepSpeed's CPU fused_adam is built there once per
+# session); the shm all-reduce op is never built (tests/ds_reference_runner.py), which test_hf_integration checks.
+EXTENSIONS_DIR = Path(tempfile.mkdtemp(prefix="glm45v-test-torch-extensions-"))
+os.environ["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS_DIR)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    shutil.rmtree(EXTENSIONS_DIR, ignore_errors=True)
+
 
 # Identical global batches, fp32, every memory switch off: the reference run of the parity tests.
 PARITY = [

@@ -322,8 +322,9 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
     )
     assert "| pass | below 0.8 bare |" in (tmp_path / "deepspeed.md").read_text()  # ZeRO-1: each door's verdict
     alone = json.loads((tmp_path / "deepspeed.json").read_text())["alone"]
-    expected = {"dtype": "fp32", "engine_over_bare_ms": 0.9, "per_round": [0.9, 0.9], "loss_mean_rel_err": 5e-6}
-    assert alone == [pytest.approx(expected)]
+    assert len(alone) == 1 and alone[0]["dtype"] == "fp32"
+    assert alone[0]["engine_over_bare_ms"] == pytest.approx(0.9) and alone[0]["per_round"] == pytest.approx([0.9, 0.9])
+    assert alone[0]["loss_mean_rel_err"] == pytest.approx(5e-6)
     assert "| fp32 | 0.90 (0.90, 0.90) | 5.0e-06 |" in (tmp_path / "deepspeed.md").read_text()
     assert (tmp_path / "deepspeed.png").stat().st_size > 0
     assert bench.main(["deepspeed", "--dtype", "fp8", "--out", str(tmp_path)]) == 2

@@ -60,7 +60,7 @@ def test_overrides_merge_onto_yaml_dicts(tmp_path):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("training.micro_batch_sise=2", "Did you mean 'training.micro_batch_size'"),
+        ("training.micro_batch_sise=2", "Did you mean 'training.micro_batch_size'? docs/config.md lists every"),
         ("trainig.lr=1", "Did you mean 'training'"),
         ("micro_batch_size=2", "Did you mean 'training.micro_batch_size'"),
         ("training.micro_batch_size=0", "'training.micro_batch_size' = 0 is invalid"),
@@ -82,6 +82,14 @@ def test_bad_values_name_the_key(override, expected):
     with pytest.raises(UserError, match=None) as info:
         load_config(None, [override])
     assert expected in str(info.value)
+
+
+def test_an_unknown_key_names_the_closest_few_not_every_key():
+    with pytest.raises(UserError) as info:
+        load_config(None, ["training.save_inteval=2"])
+    message = str(info.value)
+    assert "Did you mean 'training.save_interval'? Also close: 'training.log_interval'." in message
+    assert "training.dump_batches" not in message and len(message) < 200
 
 
 def test_unknown_yaml_key(tmp_path):

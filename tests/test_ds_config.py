@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ds_compat import ds_keys, schedules
-from ds_compat.config import load_ds_config, main, resolve_auto, resolve_batch, translate
+from ds_compat.config import explain_text, load_ds_config, main, resolve_auto, resolve_batch, translate
 from glm45v_fsdp.config import Config, TrainingConfig, config_from_dict, load_config
 from glm45v_fsdp.errors import UserError
 
@@ -633,10 +633,42 @@ def test_keys_deepspeed_rejects_are_rejected(extra, message, ds_batch):
         translate(config, 1)
 
 
-def test_unknown_top_level_keys_are_noted_like_deepspeed_ignores_them(ds_batch):
-    config = {"train_batch_size": 8, "train_batch_sizee": 16}
-    assert ds_batch(config, 1) == (8, 8, 1)
-    assert any("'train_batch_sizee' is not a DeepSpeed key" in note for note in translate(config, 1).notes)
+def test_unknown_top_level_keys_are_ignored_like_deepspeed_and_a_misspelling_says_so(ds_batch):
+    config = {"train_batch_size": 8, "train_batch_sizee": 16, "team_comment": "sft run 7"}
+    assert ds_batch(config, 1) == (8, 8, 1)  # DeepSpeed ignores both
+    translation = translate(config, 1)
+    assert translation.misspelled == [
+        "'train_batch_sizee' = 16 is not a DeepSpeed key: did you mean 'train_batch_size'? DeepSpeed ignores it, and "
+        "so does the translation: the value has no effect. Rename it to 'train_batch_size'."
+    ]
+    assert "WARNING: misspelled keys (no effect):" in explain_text(translation, "ds.json")
+    assert any("'team_comment' is not a DeepSpeed key" in note for note in translation.notes)  # no close key
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (  # with a number: no batch key left, which DeepSpeed rejects; the error names the spelling
+            {"train_micro_batch_size_per_gpuu": 4, "gradient_accumulation_steps": 1},
+            "neither 'train_batch_size' nor 'train_micro_batch_size_per_gpu'.*The config has "
+            "'train_micro_batch_size_per_gpuu' \\(did you mean 'train_micro_batch_size_per_gpu'\\?\\)",
+        ),
+        (  # with "auto": nothing fills it (DeepSpeed ignores the key); the error is the spelling, not "auto"
+            {"train_micro_batch_size_per_gpuu": "auto", "gradient_accumulation_steps": 1},
+            "'train_micro_batch_size_per_gpuu' = 'auto' is not a DeepSpeed key: did you mean "
+            "'train_micro_batch_size_per_gpu'\\?",
+        ),
+        (
+            {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_stepss": 2},
+            "as DeepSpeed requires.*The config has 'gradient_accumulation_stepss' \\(did you mean",
+        ),
+    ],
+)
+def test_a_misspelled_key_deepspeed_would_reject_is_an_error_naming_the_spelling(config, message, ds_batch):
+    # the HF integration fills no "auto" of a key DeepSpeed does not know, so DeepSpeed gets these as they are
+    assert isinstance(ds_batch(config, 4), Exception), "DeepSpeed accepts it: the test case is wrong"
+    with pytest.raises(UserError, match=message):
+        translate(config, 4, Config())
 
 
 def test_no_effect_keys_are_listed_once():

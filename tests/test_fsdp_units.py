@@ -93,12 +93,18 @@ def test_merged_units_train_like_one_unit_per_module(tmp_path):
     }.items():
         result = train(tmp_path / name, PARITY + extra, nproc=2)
         assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.count("[plan fsdp]") == 1  # what is sharded and how, said once
         if name.startswith("merged"):  # the whole model is the root unit (model.visual too: no unit encloses it)
-            assert "FSDP units: 0 planned module(s) in 0 unit(s) (unit_mib 1000), 9 below" in result.stdout
+            assert (
+                "[plan fsdp] 5 pattern(s); fully_shard over 2 rank(s): all 9 planned module(s) below unit_mib "
+                "1000, so none is a unit of its own" in result.stdout
+            )
         if name == "cpu_default":
-            assert "FSDP units: 0 planned module(s) in 0 unit(s) (unit_mib 32, the cpu default)" in result.stdout
+            assert "all 9 planned module(s) below unit_mib 32, the cpu default, so none" in result.stdout
+        if name == "per_module":
+            assert "fully_shard over 2 rank(s): one unit per planned module (9), then the root" in result.stdout
         if name == "prefetch":
-            assert "FSDP prefetch: 2 unit(s) ahead in forward and backward along each pattern" in result.stdout
+            assert "; prefetch 2 unit(s) ahead in forward and backward along each pattern" in result.stdout
         runs[name] = read_metrics(tmp_path / name)
     for name in ("merged", "merged_keep", "cpu_default", "prefetch"):
         for key in ("loss", "grad_norm"):

@@ -27,13 +27,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, clean_env, end_worker, free_port, spawn
+from conftest import EXTENSIONS_DIR, REPO, clean_env, end_worker, free_port, spawn
 from torch.distributed.tensor import DTensor
 
 from ds_compat.alias import SHIM_DIR
 
 TRAINER_SCRIPT = REPO / "tests" / "hf_trainer_script.py"
 LOOP_SCRIPT = REPO / "tests" / "accelerate_loop_script.py"
+REFERENCE_RUNNER = REPO / "tests" / "ds_reference_runner.py"
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -255,10 +256,14 @@ def test_zero2_state_dicts_are_whole_and_a_destroyed_engines_model_trains_on():
 
 
 def launch(launcher: str, script: Path, out: Path, *args: str, python: str = sys.executable) -> str:
-    """`deepspeed` or `ds-fsdp` (as `python -m` their runner modules) on 2 CPU ranks with the same flags."""
+    """`deepspeed` or `ds-fsdp` (as `python -m` their runner modules) on 2 CPU ranks with the same flags; under
+    `deepspeed` the script runs through tests/ds_reference_runner.py (no JIT build of DeepSpeed's shm op)."""
     runner = {"deepspeed": "deepspeed.launcher.runner", "ds-fsdp": "ds_compat.launcher"}[launcher]
-    command = [python, "-m", runner, "--num_gpus", "2", "--master_port", str(free_port()), str(script)]
+    target = [str(REFERENCE_RUNNER), str(script)] if launcher == "deepspeed" else [str(script)]
+    command = [python, "-m", runner, "--num_gpus", "2", "--master_port", str(free_port()), *target]
     result = run([*command, "--out", str(out), *args], env(), cwd=out.parent)
+    if launcher == "deepspeed":  # its optimizer op (fused_adam) it may build, into the suite's own directory
+        assert not (EXTENSIONS_DIR / "deepspeed_shm_comm").exists(), "the DeepSpeed reference JIT-built its shm op"
     return result.stdout + result.stderr
 
 

@@ -25,13 +25,19 @@ from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.checkpoint.hf import INDEX_FILE, detect_format, load_hf_weights
 from glm45v_fsdp.checkpoint.hf_export import export_hf
-from glm45v_fsdp.checkpoint.layout import detect_expert_layout, model_to_hub_tensors
+from glm45v_fsdp.checkpoint.layout import (
+    detect_expert_layout,
+    expected_keys,
+    model_tensors,
+    model_to_hub_tensors,
+    summarize_keys,
+)
 from glm45v_fsdp.config import FsdpPlanConfig, ModelConfig
 from glm45v_fsdp.data import vocab
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, build_meta_model, load_hf_config, materialize
 from glm45v_fsdp.parallel.fsdp import apply_fsdp
-from glm45v_fsdp.tools import convert
+from glm45v_fsdp.tools import conversions, convert
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -205,9 +211,22 @@ def test_strict_names_missing_unexpected_misshapen_and_prefixed_keys_before_copy
         else:
             assert torch.equal(tensor, state[name]), name
 
-    # the Hub checkpoint's MTP layer (layers.46) is ignored, as transformers does
-    mtp = variant("mtp", lambda t, f: t.update({"model.language_model.layers.46.eh_proj.weight": torch.zeros(2)}))
+    # an MTP layer at 46 (the index transformers' class declares ignorable) is skipped, as transformers does
+    def into_first_shard(extra: dict):
+        return lambda tensors, file: tensors.update(extra) if file.startswith("model-00001") else None
+
+    mtp = variant("mtp", into_first_shard({"model.language_model.layers.46.eh_proj.weight": torch.zeros(2)}))
     assert load_hf_weights(model, mtp).ignored == ["model.language_model.layers.46.eh_proj.weight"]
+    # ... and one right after this model's 4 layers too: its eh_proj / enorm / hnorm tensors say what it is
+    mtp4 = {f"model.language_model.layers.4.{name}.weight": torch.zeros(2) for name in ("eh_proj", "enorm", "hnorm")}
+    mtp4["model.language_model.layers.4.mlp.gate.weight"] = torch.zeros(2)
+    report = load_hf_weights(model, variant("mtp4", into_first_shard(mtp4)))
+    assert report.ignored == sorted(mtp4) and not report.unexpected
+    assert summarize_keys(report.ignored) == "model.language_model.layers.4.* (4 tensors)"
+    # a plain fifth layer is not an MTP layer: the error says the checkpoint holds a deeper model
+    deeper = {"model.language_model.layers.4.input_layernorm.weight": torch.zeros(64)}
+    with pytest.raises(UserError, match="decoder layer\\(s\\) model.language_model.layers.4.\\* past the model's 4 "):
+        load_hf_weights(model, variant("deeper", into_first_shard(deeper)))
 
 
 # 3 + 4. Two ranks: sliced reads, HSDP, odd placements, export ---------------------------------------------------------
@@ -423,7 +442,7 @@ def test_convert_inspect_and_round_trip(checkpoints, tmp_path, capsys):
     code, out, _ = run_convert(capsys, "hf-to-dcp", hub, one)
     assert code == 0 and (one / ".metadata").is_file()
     state = {k: torch.zeros_like(v) for k, v in checkpoints["state"].items()}
-    with convert.single_process_group():
+    with conversions.single_process_group():
         dcp.load({"model": state}, checkpoint_id=one)
     assert all(torch.equal(v, checkpoints["state"][k]) for k, v in state.items())
 
@@ -508,3 +527,14 @@ def test_sliced_load_peak_host_memory_is_far_below_the_checkpoint(tmp_path):
         )
         assert result["bytes_read"] < 0.55 * size
         assert result["increase"] < 0.2 * size
+
+
+def test_published_glm45v_has_18106_hub_tensors_in_layers_0_to_45():
+    """What docs/weights.md says of the published checkpoint's index: 18,106 per-expert keys, no layer 46."""
+    hf_config = load_hf_config(ModelConfig(preset="glm-4.5v"))
+    with torch.device("meta"):
+        model = Glm4vMoeForConditionalGeneration(hf_config)
+    tensors, _ = model_tensors(model)
+    keys = expected_keys({name: tuple(t.shape) for name, t in tensors.items()}, "per-expert")
+    layers = {int(key.split(".")[3]) for key in keys if key.startswith("model.language_model.layers.")}
+    assert len(keys) == 18106 and layers == set(range(46))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import end_worker, free_port, spawn
+from conftest import clean_env, end_worker, free_port, spawn
 from torch.distributed.tensor import DTensor
 from transformers import Glm4vMoeForConditionalGeneration
 
@@ -23,9 +23,9 @@ from glm45v_fsdp.data.dump import MODEL_KEYS, BatchDumper, dump_path
 from glm45v_fsdp.model import build_meta_model, load_hf_config, materialize, model_loss_sum
 from glm45v_fsdp.plans import MoEPlan, PlanContext
 from glm45v_fsdp.runtime import select_device
-from glm45v_fsdp.tools import compare_batches, preflight
+from glm45v_fsdp.tools import compare_batches, preflight, preflight_report
 from glm45v_fsdp.tools.estimate import activation_bytes, shard_rows
-from glm45v_fsdp.tools.preflight import minimal_dims
+from glm45v_fsdp.tools.preflight_report import minimal_dims
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_106B = str(REPO / "configs" / "glm45v_106b_sft.yaml")
@@ -42,6 +42,36 @@ def preflight_json(capsys, *argv: str) -> dict:
     code, out, err = run_preflight(capsys, "--json", *argv)
     assert code == 0, err
     return json.loads(out)
+
+
+# Every command-line entry point answers --help (and a usage error) before anything imports torch or transformers.
+HELP_PROBE = """
+import runpy, sys
+for module, argv in {commands!r}:
+    sys.argv = [module, *argv, "--help"]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as end:
+        assert end.code in (0, None), (module, end.code)
+    heavy = sorted(name for name in ("torch", "transformers") if name in sys.modules)
+    assert not heavy, (module, argv, heavy)
+print("ok")
+"""
+HELP_COMMANDS = [
+    ("glm45v_fsdp.train", []),
+    ("glm45v_fsdp.tools.preflight", []),
+    ("glm45v_fsdp.tools.convert", []),
+    ("glm45v_fsdp.tools.convert", ["dcp-to-hf"]),
+    ("glm45v_fsdp.tools.compare_batches", []),
+    ("glm45v_fsdp.tools.bench", []),
+    *[("glm45v_fsdp.tools.bench", [name]) for name in ("overhead", "memory", "ep", "longest", "deepspeed", "ops")],
+]
+
+
+def test_help_of_every_command_answers_before_torch_is_imported():
+    probe = HELP_PROBE.format(commands=HELP_COMMANDS)
+    result = subprocess.run([sys.executable, "-c", probe], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.endswith("ok\n"), result.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -426,7 +456,7 @@ def test_estimate_follows_each_plan_like_the_measured_peak(tmp_path):
             record = runs[name][1][0]
             assert record["tokens"] == 2048 * record["global_batch_size"]
             measured[name] = record
-            report = preflight.build_report(preflight.parse_args(["--world-size", str(world), *run]))
+            report = preflight_report.build_report(preflight.parse_args(["--world-size", str(world), *run]))
             estimated[name] = report["memory"]
     for name, (_, _, reference) in SWITCHES.items():
         if reference is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,23 +141,32 @@ def test_bad_config_exits_with_named_key(tmp_path, overrides, needle):
 
 
 def test_start_up_log_names_data_and_threads_and_a_rerun_warns(tmp_path):
+    """Started from another directory with the default training.output_dir: the log names where results went."""
     env = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}
-    first = train(tmp_path / "run", ["training.train_iters=2"], env=env)
+    command = [sys.executable, "-m", "glm45v_fsdp.train", "training.train_iters=2", "training.progress_bar=false"]
+    first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
+    output_dir = tmp_path / "output" / "glm45v_tiny"  # the default, relative to the working directory
+    assert f"outputs: {output_dir} (config.yaml, metrics.jsonl, summary.json)" in first.stdout
+    assert first.stdout.splitlines()[-1].endswith(f"| results in {output_dir}")  # the summary line
     assert "data: built-in synthetic image-text set (data.dataset=synthetic, no file), 256 samples" in first.stdout
     cores = len(os.sched_getaffinity(0))
     assert f"CPU threads: {max(1, cores - 1)} per process ({cores} usable core(s), 1 process(es)" in first.stdout
     assert "| mem off | loss" in first.stdout  # the summary, like the step lines, says memory was not tracked
     assert "holds an earlier run" not in first.stdout + first.stderr
     assert first.stdout.index("[plan moe]") < first.stdout.index("[plan fsdp]")  # the registry's order
+    assert (
+        first.stdout.count("[plan fsdp]") == 1
+        and "[plan fsdp] 5 pattern(s); not sharded: the FSDP mesh" in first.stdout
+    )
     assert "experts=grouped_mm" in first.stdout
-    balance = read_metrics(tmp_path / "run")[0]
+    balance = read_metrics(output_dir)[0]
     assert balance["moe_load_max_over_mean"] >= 1.0 and balance["moe_load_cv"] >= 0.0
-    again = train(tmp_path / "run", ["training.train_iters=3"])
+    again = train(output_dir, ["training.train_iters=3"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "CPU threads: 1 per process (OMP_NUM_THREADS=1)" in again.stdout
     assert "holds an earlier run (metrics.jsonl of 2 step(s), finished (summary.json present))" in again.stdout
-    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(output_dir)] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("problem", ["missing", "unreadable"])

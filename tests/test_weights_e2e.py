@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -52,10 +53,21 @@ def step_one_loss(out: Path) -> float:
 
 
 def test_hf_load_matches_transformers_on_the_dumped_batch(tmp_path, hf_dir):
+    """The checkpoint also carries an MTP layer past the last decoder layer: skipped (as transformers skips one at
+    46), and the log says so."""
+    with_mtp = tmp_path / "with_mtp"
+    shutil.copytree(hf_dir, with_mtp)
+    mtp = {f"model.language_model.layers.4.{name}.weight": torch.zeros(64) for name in ("enorm", "hnorm")}
+    save_file(mtp, with_mtp / "mtp.safetensors", metadata={"format": "pt"})
+    index = json.loads((with_mtp / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
+    (with_mtp / "model.safetensors.index.json").write_text(json.dumps(index))
     out = tmp_path / "run"
-    result = train(out, FP32_ONE_MICRO_BATCH + ["training.train_iters=1", f"training.load={hf_dir}"])
+    result = train(out, FP32_ONE_MICRO_BATCH + ["training.train_iters=1", f"training.load={with_mtp}"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"weights: loaded from HF checkpoint {hf_dir}" in result.stdout
+    assert f"weights: loaded from HF checkpoint {with_mtp}" in result.stdout
+    assert "weights: 2 checkpoint tensor(s) skipped" in result.stdout
+    assert "model.language_model.layers.4.* (2 tensors)" in result.stdout
     assert "initialised from scratch" not in result.stdout
     reference = transformers_loss(hf_dir, out / "batches" / "rank0_micro0.pt")
     assert abs(step_one_loss(out) - reference) <= 1e-6 * reference
@@ -96,6 +108,14 @@ def test_export_loads_in_transformers_and_weights_only_dcp_starts_the_same(tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     reference = transformers_loss(exported, from_export / "batches" / "rank0_micro0.pt")
     assert abs(step_one_loss(from_export) - reference) <= 1e-6 * reference
+
+    # model.name_or_path alone (config, tokenizer, processor and safetensors there; training.load unset): its
+    # weights are the start, not a random initialisation.
+    from_model_dir = tmp_path / "from_model_dir"
+    result = train(from_model_dir, FP32_ONE_MICRO_BATCH + ["training.train_iters=1", f"model.name_or_path={exported}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"training.load={exported}" in result.stdout and "initialised from scratch" not in result.stdout
+    assert step_one_loss(from_model_dir) == pytest.approx(step_one_loss(from_export), rel=1e-6)
 
     # hf-to-dcp, then start from the DCP copy: same step-1 loss as from the HF directory.
     dcp_dir = tmp_path / "dcp"

@@ -43,10 +43,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from glm45v_fsdp.checkpoint.deepspeed import locate, tag_dir_of
-from glm45v_fsdp.checkpoint.hf import detect_format
+from glm45v_fsdp.checkpoint.hf import detect_format, holds_weights
 from glm45v_fsdp.checkpoint.layout import KeyDiff, compare_keys, describe_diff
 from glm45v_fsdp.checkpoint.state import RNG_DIR, TRAINER_STATE_FILE, rng_file
-from glm45v_fsdp.config import TrainingConfig
+from glm45v_fsdp.config import Config, TrainingConfig
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.metrics import check_writable_dir
@@ -197,6 +197,21 @@ def resolve_load(training: TrainingConfig) -> LoadSource | None:
     if is_weights_only(path):
         return LoadSource("dcp-weights", path)
     return LoadSource("dcp", find_checkpoint(path))
+
+
+def load_model_weights(config: Config) -> tuple[TrainingConfig, str | None]:
+    """training.load unset and model.name_or_path holding safetensors weights: those weights are the start, loaded
+    strictly (a Hugging Face model directory means its weights, as `from_pretrained` reads it), not a random
+    initialisation with only the log to tell; -> (training, a line for the log, None when nothing changed)."""
+    training, model_dir = config.training, config.model.name_or_path
+    if training.load is not None or model_dir is None or not holds_weights(model_dir):
+        return training, None
+    loaded = dataclasses.replace(training, load=model_dir, load_format="hf")
+    return loaded, (
+        f"weights: training.load is unset and model.name_or_path ({model_dir}) holds safetensors weights: "
+        f"training.load={model_dir} (set training.load to start from another checkpoint; model.preset without "
+        f"model.name_or_path initialises from scratch)"
+    )
 
 
 def auto_resume(training: TrainingConfig) -> tuple[TrainingConfig, str | None]:

@@ -62,6 +62,12 @@ def detect_format(path: str | Path, what: str = "Config key 'training.load'") ->
     )
 
 
+def holds_weights(path: str | Path) -> bool:
+    """Whether a model directory holds HF weights (*.safetensors or their index), not only config and tokenizer."""
+    directory = Path(path).expanduser()
+    return directory.is_dir() and ((directory / INDEX_FILE).is_file() or any(directory.glob("*.safetensors")))
+
+
 def _subdirs(directory: Path) -> Iterator[Path]:
     return (child for child in directory.iterdir() if child.is_dir())
 

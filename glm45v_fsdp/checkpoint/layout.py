@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -104,6 +104,8 @@ class KeyDiff:
     missing: list[str]
     unexpected: list[str]
     mismatched: list[str]  # "key: checkpoint [a, b] vs model [c, d]"
+    # Unexpected decoder layers past the model's last one: "prefix.N" -> the model's layer count under prefix.
+    extra_layers: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -156,7 +158,21 @@ def describe_diff(diff: KeyDiff, limit: int = 20) -> str:
         )
         if items
     ]
-    return "; ".join(parts) + "." + prefix_hint(diff)
+    return "; ".join(parts) + "." + prefix_hint(diff) + layer_hint(diff)
+
+
+def layer_hint(diff: KeyDiff) -> str:
+    """A sentence on decoder layers the checkpoint has past the model's last, or ''."""
+    if not diff.extra_layers:
+        return ""
+    layers = ", ".join(f"{layer}.*" for layer in diff.extra_layers)
+    count = next(iter(diff.extra_layers.values()))
+    return (
+        f" The checkpoint has decoder layer(s) {layers} past the model's {count} (0-{count - 1}) and they are not a "
+        f"multi-token-prediction (MTP) layer (whose {'/'.join(MTP_MARKERS)} tensors are skipped: this backend trains "
+        f"no MTP head): it holds a deeper model; set model.config_overrides.text_config.num_hidden_layers to its "
+        f"layer count, or convert it."
+    )
 
 
 def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -173,12 +189,51 @@ def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
 def check_keys(model: nn.Module, found: Mapping[str, Shape], layout: str | None) -> tuple[KeyDiff, list[str]]:
     """(diff of the checkpoint keys `found` against `model` in `layout`, ignored keys).
 
-    Unexpected keys that the model class declares ignorable (`_keys_to_ignore_on_load_unexpected`: GLM-4.5V's MTP
-    layer 46, which the Hub checkpoint carries) or that name a tied weight's alias are ignored, as transformers does.
+    Unexpected keys that the model class declares ignorable (`_keys_to_ignore_on_load_unexpected`: the MTP layer
+    positions of GLM-4.5 / 4.6, layers 46 and 92) or that name a tied weight's alias are ignored, as transformers does;
+    so is a multi-token-prediction layer past the last decoder layer at any index (its MTP_MARKERS tensors). Other
+    layers past the last stay unexpected, and `diff.extra_layers` names them for the error's hint.
     """
     tensors, aliases = model_tensors(model)
     diff = compare_keys(expected_keys({name: tuple(t.shape) for name, t in tensors.items()}, layout), found)
     patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     ignored = [key for key in diff.unexpected if key in aliases or any(p.search(key) for p in patterns)]
+    extra = _layers_past_the_last(tensors, sorted(set(diff.unexpected) - set(ignored)))
+    for layer, keys in extra.items():
+        if any(f".{marker}." in key[len(layer) :] for key in keys for marker in MTP_MARKERS):
+            ignored += keys  # an MTP layer at any index, as transformers skips GLM-4.5's at 46
+        else:
+            diff.extra_layers[layer] = _layer_count(tensors, layer.rsplit(".", 1)[0])
     diff.unexpected = sorted(set(diff.unexpected) - set(ignored))
-    return diff, ignored
+    return diff, sorted(ignored)
+
+
+# The tensors of a multi-token-prediction layer (GLM-4.5 / DeepSeek-V3 style), kept after the decoder layers.
+MTP_MARKERS = ("eh_proj", "enorm", "hnorm", "shared_head")
+_LAYER = re.compile(r"^(?P<layers>.*\.layers)\.(?P<index>\d+)\.")
+
+
+def _layer_count(tensors: Mapping[str, torch.Tensor], layers: str) -> int:
+    indices = [int(m["index"]) for name in tensors if (m := _LAYER.match(name)) and m["layers"] == layers]
+    return max(indices, default=-1) + 1
+
+
+def _layers_past_the_last(tensors: Mapping[str, torch.Tensor], unexpected: list[str]) -> dict[str, list[str]]:
+    """Unexpected keys of layers past the model's last under the same `....layers` prefix: {"prefix.N": keys}."""
+    extra: dict[str, list[str]] = {}
+    for key in unexpected:
+        match = _LAYER.match(key)
+        if match and int(match["index"]) >= _layer_count(tensors, match["layers"]) > 0:
+            extra.setdefault(f"{match['layers']}.{match['index']}", []).append(key)
+    return extra
+
+
+def summarize_keys(keys: list[str], limit: int = 5) -> str:
+    """'prefix.layers.46.* (12 tensors), other.key' — keys grouped by decoder layer, the first `limit` groups."""
+    groups: dict[str, int] = {}
+    for key in keys:
+        match = _LAYER.match(key)
+        group = f"{match['layers']}.{match['index']}.*" if match else key
+        groups[group] = groups.get(group, 0) + 1
+    named = [f"{group} ({count} tensors)" if count > 1 else group for group, count in list(groups.items())[:limit]]
+    return ", ".join(named) + (f" and {len(groups) - limit} more" if len(groups) > limit else "")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from torch import nn
 from transformers import Glm4vMoeConfig, PreTrainedConfig
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextExperts
 
-from glm45v_fsdp.config import ModelConfig
+from glm45v_fsdp.config import ModelConfig, closest_keys
 from glm45v_fsdp.errors import ConfigError, UserError
 from glm45v_fsdp.model.loss import Glm4vMoeForTraining
 from glm45v_fsdp.model.moe import GroupedExperts
@@ -73,11 +72,11 @@ def _merge_overrides(base: dict, overrides: dict, reference: Any, path: str) -> 
         key = aliases.get(key, key)
         full = f"{path}.{key}"
         if reference is not None and key not in base:
-            close = difflib.get_close_matches(str(key), [str(k) for k in base], n=1, cutoff=0.6)
-            hint = f" Did you mean '{path}.{close[0]}'?" if close else ""
+            keys = sorted(f"{path}.{k}" for k in base if not str(k).startswith("_"))
+            hint = closest_keys(full, keys, cutoff=0.6) or f" '{path}' has {len(keys)} keys, none of them close."
             raise ConfigError(
-                f"Config key '{full}' is not a key of the GLM-4.5V config.{hint} Valid keys here: "
-                f"{', '.join(sorted(k for k in base if not k.startswith('_')))}."
+                f"Config key '{full}' is not a key of the GLM-4.5V config.{hint} The model's config.json (or "
+                f"transformers' Glm4vMoeConfig) lists them."
             )
         child = getattr(reference, key, None) if reference is not None else None
         if isinstance(value, dict) and isinstance(base.get(key), dict):

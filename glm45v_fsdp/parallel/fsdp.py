@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,7 +21,6 @@ from torch.distributed.tensor import Shard
 
 from glm45v_fsdp.config import FsdpPlanConfig
 from glm45v_fsdp.errors import ConfigError
-from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -44,6 +44,14 @@ warnings.filterwarnings(
 )
 
 
+@dataclass(frozen=True)
+class FsdpApplied:
+    """What apply_fsdp matched and, in one line, what it sharded and how (None: nothing was sharded)."""
+
+    matches: list[PlanMatch]
+    sharding: str | None
+
+
 def apply_fsdp(
     model: nn.Module,
     plan: FsdpPlanConfig,
@@ -52,7 +60,7 @@ def apply_fsdp(
     required_units: tuple[str, ...] = (),
     expert_units: list[str] = (),
     expert_mesh: DeviceMesh | None = None,
-) -> list[PlanMatch]:
+) -> FsdpApplied:
     """Shard the planned modules innermost first (so nested patterns work), then the root.
 
     `expert_units`: modules whose parameters expert parallelism already sharded on dim 0 over the ep mesh; each is
@@ -61,8 +69,8 @@ def apply_fsdp(
 
     `required_units` are modules the training forward calls outside their parent's forward, so each must be an
     FSDP unit of its own or its parameters would not be gathered when it runs; the plan must select them.
-    Returns each pattern's matches for the log. The root keeps its parameters unsharded after forward: backward
-    starts with it at once, so resharding would only cost an extra all-gather.
+    Returns each pattern's matches and the log's line on what was sharded. The root keeps its parameters unsharded
+    after forward: backward starts with it at once, so resharding would only cost an extra all-gather.
     """
     matches = match_modules(model, plan.apply_modules, "parallel.fsdp_plan.apply_modules")
     selected_names = {name for match in matches for name in match.names}
@@ -75,25 +83,33 @@ def apply_fsdp(
             f"an FSDP unit of its own: add {missing} to parallel.fsdp_plan.apply_modules."
         )
     if mesh.size() == 1 and not plan.cpu_offload:
-        return matches
+        return FsdpApplied(matches, None)
     size = unit_mib(plan, mesh.device_type)
     alone = set(required_units) | set(expert_units)
     groups = unit_groups(model, matches, alone, size, required=set(required_units))
     groups = [g for g in groups if g[0] not in expert_units]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan.param_dtype], reduce_dtype=DTYPES[plan.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if plan.cpu_offload else OffloadPolicy()
-    if size > 0:
-        planned = len({name for match in matches for name in match.names} - set(expert_units))
-        in_units = sum(len(group) for group in groups)
-        get_logger().info(
-            "FSDP units: %d planned module(s) in %d unit(s) (unit_mib %g%s), %d below the unit size left to the "
-            "enclosing unit",
-            in_units,
-            len(groups),
-            size,
-            "" if plan.unit_mib is not None else f", the {mesh.device_type} default",
-            planned - in_units,
+    planned = len(selected_names - set(expert_units))
+    in_units = sum(len(group) for group in groups)
+    default = "" if plan.unit_mib is not None else f", the {mesh.device_type} default"
+    if size > 0 and not groups:
+        unit_text = f"all {planned} planned module(s) below unit_mib {size:g}{default}, so none is a unit of its own"
+    elif size > 0:
+        unit_text = (
+            f"{in_units} of the {planned} planned module(s) in {len(groups)} unit(s) (unit_mib {size:g}{default}), "
+            f"{planned - in_units} below the unit size left to the enclosing unit"
         )
+    else:
+        unit_text = f"one unit per planned module ({in_units})"
+    experts = f", {len(expert_units)} expert stack(s) over {expert_mesh.size()} rank(s)" if expert_units else ""
+    offloaded = ", parameters offloaded to the host" if plan.cpu_offload else ""
+    hsdp = f" (HSDP: {mesh.size(0)} replica(s) x {mesh.size(1)} shard(s))" if mesh.ndim > 1 else ""
+    sharding = (
+        f"fully_shard over {mesh.size()} rank(s){hsdp}: {unit_text}{experts}, then the root (everything else)"
+        f"{offloaded}; "
+        f"compute {plan.param_dtype}, reduce {plan.reduce_dtype}"
+    )
     units = [([name], expert_mesh, lambda param: Shard(1)) for name in expert_units]
     units += [(group, mesh, None) for group in sorted(groups, key=lambda g: -g[0].count("."))]  # innermost first
     for names, unit_mesh, placement in units:
@@ -108,14 +124,14 @@ def apply_fsdp(
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
     if plan.prefetch > 0:
         set_prefetch(model, matches, groups, plan.prefetch)
-        get_logger().info("FSDP prefetch: %d unit(s) ahead in forward and backward along each pattern", plan.prefetch)
+        sharding += f"; prefetch {plan.prefetch} unit(s) ahead in forward and backward along each pattern"
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Plain SUM over the FSDP mesh (no AVG, no PREMUL_SUM, which gloo lacks): the trainer's loss scale
             # holds the whole normalisation, so it stays right when CP ranks join the mesh.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    return matches
+    return FsdpApplied(matches, sharding)
 
 
 def unit_groups(

@@ -85,8 +85,8 @@ def match_modules(model: nn.Module, patterns: list[str], key: str) -> list[PlanM
     return matches
 
 
-def format_matches(plan_name: str, matches: list[PlanMatch]) -> str:
-    """One log line per pattern: how many modules it matched."""
-    lines = [f"[plan {plan_name}] {len(matches)} pattern(s)"]
+def format_matches(plan_name: str, matches: list[PlanMatch], outcome: str | None = None) -> str:
+    """One log line per pattern: how many modules it matched, under a headline with what the plan did."""
+    lines = [f"[plan {plan_name}] {len(matches)} pattern(s)" + (f"; {outcome}" if outcome else "")]
     lines += [f"  {m.pattern}: {len(m.names)} module(s)" for m in matches]
     return "\n".join(lines)

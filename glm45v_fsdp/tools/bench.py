@@ -24,140 +24,31 @@ model.ops=auto against model.ops=reference (tools/bench_ops.py).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
-
-import torch
-from torch.distributed.tensor import DTensor
-from transformers import Glm4vMoeForConditionalGeneration
+from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools import bench_deepspeed, bench_ep, bench_longest, bench_memory, bench_ops
-
-BARE_INPUT_KEYS = (
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "pixel_values",
-    "image_grid_thw",
-    "mm_token_type_ids",
-    "labels",
-)
-PARITY_OVERRIDES = [
-    "parallel.fsdp_plan.param_dtype=fp32",
-    "parallel.fsdp_plan.reduce_dtype=fp32",
-    "training.progress_bar=false",
-    "training.lr_scheduler=constant",
-    "training.lr_warmup_ratio=0",
-    "training.min_lr=0",
-]
+from glm45v_fsdp.tools import bench_deepspeed, bench_ep, bench_longest, bench_memory
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-        for key, value in model.state_dict().items()
-    }
-
-
-class BareLoop:
-    """What a user would write without any framework: HF model, its own loss, AdamW, clipping."""
-
-    def __init__(self, hf_config, state_dict: dict[str, torch.Tensor], config, device) -> None:
-        self.device = device
-        self.model = Glm4vMoeForConditionalGeneration(hf_config).to(device.device(0))
-        self.model.load_state_dict(state_dict, strict=True)
-        self.model.train()
-        training = config.training
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=training.lr,
-            betas=(training.adam_beta1, training.adam_beta2),
-            eps=training.adam_eps,
-            weight_decay=training.weight_decay,
-            fused=device.has_fused_adamw() or None,
-        )
-        self.clip = training.clip_grad
-
-    def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
-        """One step; returns the loss (mean over the micro batches) after the device finished."""
-        total = torch.zeros(())
-        for batch in micro_batches:
-            inputs = {key: batch[key].to(self.device.device(0)) for key in BARE_INPUT_KEYS if key in batch}
-            loss = self.model(**inputs).loss / len(micro_batches)
-            loss.backward()
-            total = total + loss.detach().cpu()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.device.synchronize()
-        return float(total)
-
-
-def run_overhead(steps: int, warmup: int, blocks: int, overrides: list[str], output: Path | None) -> dict:
-    from glm45v_fsdp.builders import build_data, build_model, build_runtime
-    from glm45v_fsdp.config import load_config
-    from glm45v_fsdp.log import setup_logging
-    from glm45v_fsdp.runtime import shutdown
-    from glm45v_fsdp.trainer import Trainer
-
-    config = load_config(None, PARITY_OVERRIDES + overrides)
-    setup_logging(0)
-    runtime = build_runtime(config)
-    if runtime.env.world_size != 1:
-        raise UserError("bench overhead measures one rank: run it without a launcher (world size 1).")
-    try:
-        model, hf_config = build_model(config, runtime)
-        loader, _ = build_data(config, runtime, hf_config)
-        trainer = Trainer(config, runtime, model, loader)
-        micro_batches = trainer._next_micro_batches(iter(loader))
-        bare = BareLoop(hf_config, full_state_dict(model), config, runtime.device)
-
-        first_ours = trainer.train_step(micro_batches)[0]
-        first_bare = bare.step(micro_batches)
-        for _ in range(warmup):
-            trainer.step_once(micro_batches)
-            bare.step(micro_batches)
-
-        ours_ms: list[float] = []
-        bare_ms: list[float] = []
-        per_block = max(1, steps // blocks)
-        for _ in range(blocks):
-            for _ in range(per_block):
-                ours_ms.append(trainer.step_once(micro_batches).ms_per_iter)
-            for _ in range(per_block):
-                start = time.perf_counter()
-                bare.step(micro_batches)
-                bare_ms.append((time.perf_counter() - start) * 1000.0)
-    finally:
-        shutdown()
-
-    result = {
-        "benchmark": "overhead",
-        "steps_each": len(ours_ms),
-        "first_step_loss_ours": first_ours,
-        "first_step_loss_bare": first_bare,
-        "ours_ms_median": statistics.median(ours_ms),
-        "bare_ms_median": statistics.median(bare_ms),
-        "ours_ms_mean": statistics.fmean(ours_ms),
-        "bare_ms_mean": statistics.fmean(bare_ms),
-        "torch_threads": torch.get_num_threads(),
-    }
-    result["ratio_median"] = result["ours_ms_median"] / result["bare_ms_median"]
-    result["ratio_mean"] = result["ours_ms_mean"] / result["bare_ms_mean"]
-    print(
-        f"overhead: ours {result['ours_ms_median']:.1f} ms/iter vs bare PyTorch {result['bare_ms_median']:.1f} ms/iter "
-        f"(median of {len(ours_ms)} steps each, alternating blocks) -> ratio {result['ratio_median']:.3f}x "
-        f"(mean {result['ratio_mean']:.3f}x); first-step loss ours {first_ours:.6f} bare {first_bare:.6f}"
+def add_ops_parser(sub: Any) -> None:
+    """bench ops' options (here: tools/bench_ops.py imports torch, which --help must not wait for)."""
+    parser = sub.add_parser(
+        "ops",
+        help="each op's fast kernel vs its reference (error, speed-up), and a training run auto vs reference",
+        description="Accelerator ops: kernel against reference per op, then model.ops=auto against reference.",
     )
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    parser.add_argument(
+        "--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="default: bf16 on accelerators, fp32 on cpu"
+    )
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per op call (attention: one packed row)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per kernel (median)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run (0: skip the training part)")
+    parser.add_argument("--out", type=Path, default=Path("output/bench/ops"), help="output directory")
+    parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds allowed per training run")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides for both training runs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_ep.add_parser(sub)
     bench_longest.add_parser(sub)
     bench_deepspeed.add_parser(sub)
-    bench_ops.add_parser(sub)
+    add_ops_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
@@ -186,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.benchmark == "deepspeed":
             return bench_deepspeed.main_deepspeed(args, argv)
         if args.benchmark == "ops":
-            return bench_ops.main_ops(args, argv)
+            from glm45v_fsdp.tools.bench_ops import main_ops
+
+            return main_ops(args, argv)
+        from glm45v_fsdp.tools.bench_overhead import run_overhead
+
         run_overhead(args.steps, args.warmup, args.blocks, args.overrides, args.output)
     except UserError as error:
         print(f"bench: error: {error}", file=sys.stderr)

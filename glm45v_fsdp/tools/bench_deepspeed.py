@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_deepspeed_worker import WORKLOAD, workload_overrides
 from glm45v_fsdp.tools.bench_memory import execute, torchrun_command
 from glm45v_fsdp.tools.chart import bar_chart
 
@@ -36,6 +35,21 @@ BACKENDS = ("deepspeed", "ds_compat", "trainer")  # the reference, the engine AP
 DOORS = BACKENDS[1:]
 PARITY_LIMIT = {"fp32": 1e-5, "bf16": 1e-2}
 BARE_GOAL = 0.8  # ZeRO-1/2: at least this share of the bare loop's per-rank rate
+
+
+# The workload's shape: the worker's defaults (tools/bench_deepspeed_worker.py); the trainer door runs the same.
+WORKLOAD = {"text_layers": 2, "text_tokens": 256, "image_size": 112}
+
+
+def workload_overrides(args: argparse.Namespace, world: int) -> list[str]:
+    """Our config keys for the model and the data of this workload (the trainer door runs with the same ones)."""
+    return [
+        f"model.config_overrides.text_config.num_hidden_layers={args.text_layers}",
+        f"data.synthetic_text_tokens={args.text_tokens}",
+        f"data.synthetic_image_size={args.image_size}",
+        "data.synthetic_images_per_sample=1",
+        f"data.synthetic_samples={(args.first_step + args.steps + 1) * args.micro * world}",
+    ]
 
 
 def worker_command(args: argparse.Namespace, backend: str, zero: int, dtype: str, out: Path) -> list[str]:

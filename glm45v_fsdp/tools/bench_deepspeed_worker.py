@@ -27,8 +27,7 @@ import time
 
 import torch
 
-# The workload's shape (the worker's defaults; the trainer door runs with the same).
-WORKLOAD = {"text_layers": 2, "text_tokens": 256, "image_size": 112}
+from glm45v_fsdp.tools.bench_deepspeed import WORKLOAD, workload_overrides
 
 
 def ds_config(args: argparse.Namespace) -> dict:
@@ -47,17 +46,6 @@ def ds_config(args: argparse.Namespace) -> dict:
     if args.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     return config
-
-
-def workload_overrides(args: argparse.Namespace, world: int) -> list[str]:
-    """Our config keys for the model and the data of this workload (the trainer door runs with the same ones)."""
-    return [
-        f"model.config_overrides.text_config.num_hidden_layers={args.text_layers}",
-        f"data.synthetic_text_tokens={args.text_tokens}",
-        f"data.synthetic_image_size={args.image_size}",
-        "data.synthetic_images_per_sample=1",
-        f"data.synthetic_samples={(args.first_step + args.steps + 1) * args.micro * world}",
-    ]
 
 
 def build_model(args: argparse.Namespace, world: int):

@@ -22,8 +22,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -36,24 +34,6 @@ from glm45v_fsdp.ops.verify import relative_error
 from glm45v_fsdp.runtime.device import import_torch_npu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "ops",
-        help="each op's fast kernel vs its reference (error, speed-up), and a training run auto vs reference",
-        description="Accelerator ops: kernel against reference per op, then model.ops=auto against reference.",
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
-    parser.add_argument(
-        "--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on accelerators, fp32 on cpu"
-    )
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per op call (attention: one packed row)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per kernel (median)")
-    parser.add_argument("--steps", type=int, default=20, help="training steps per run (0: skip the training part)")
-    parser.add_argument("--out", type=Path, default=Path("output/bench/ops"), help="output directory")
-    parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds allowed per training run")
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides for both training runs")
 
 
 def _sync(device: torch.device) -> None:

@@ -14,11 +14,12 @@ import json
 import pickle
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from glm45v_fsdp.data.dump import BATCH_DIR
 from glm45v_fsdp.errors import UserError
+
+if TYPE_CHECKING:  # torch (and glm45v_fsdp.data) are imported where used: --help and usage errors answer at once
+    import torch
 
 EXIT_DIFFERENT = 1
 EXIT_USER_ERROR = 2
@@ -34,6 +35,8 @@ DIM_NAMES = {
 
 def dump_files(path: Path) -> dict[str, Path]:
     """{file name: path} of a dump directory (its `batches/` folder when it has one)."""
+    from glm45v_fsdp.data.dump import BATCH_DIR
+
     if not path.exists():
         raise UserError(f"'{path}' does not exist. Pass two dump directories or two .pt files.")
     if not path.is_dir():
@@ -49,6 +52,8 @@ def dump_files(path: Path) -> dict[str, Path]:
 
 
 def load_batch(path: Path) -> dict[str, torch.Tensor]:
+    import torch
+
     try:
         batch = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
@@ -67,6 +72,8 @@ def _different(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def compare_tensors(key: str, a: torch.Tensor, b: torch.Tensor) -> dict:
     """{key, status: equal | dtype | shape | values, ...details} for one key present on both sides."""
+    import torch
+
     if a.dtype != b.dtype:
         return {"key": key, "status": "dtype", "a": str(a.dtype), "b": str(b.dtype)}
     if a.shape != b.shape:

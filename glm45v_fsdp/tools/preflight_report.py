@@ -1,0 +1,314 @@
+"""What `python -m glm45v_fsdp.tools.preflight` reports (tools/preflight.py parses the command line): the layout, each
+plan's dry run on the meta device and, with a world size, each rank's memory."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+from PIL import Image
+from torch import nn
+
+from glm45v_fsdp.config import Config, load_config
+from glm45v_fsdp.data import load_image_processor
+from glm45v_fsdp.data.processor import process_images
+from glm45v_fsdp.errors import ConfigError, UserError
+from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, build_meta_model, describe_model, load_hf_config
+from glm45v_fsdp.parallel.fsdp import DTYPES, unit_groups, unit_mib
+from glm45v_fsdp.parallel.plan import PlanMatch
+from glm45v_fsdp.plans import PLANS, PlanContext, enabled_plans
+from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims, select_device
+from glm45v_fsdp.tools.estimate import (
+    ACTIVATION_FORMULA,
+    ActivationEstimate,
+    ShardLayout,
+    activation_bytes,
+    param_specs,
+    state_bytes,
+    transient_bytes,
+)
+
+GIB = 1 << 30
+
+
+def minimal_dims(config: Config) -> ParallelDims:
+    """The smallest layout the config's parallel sizes allow (dp_shard = ep): what the plans are checked against when
+    no --world-size is given."""
+    p = config.parallel
+    cp = p.ulysses_parallel_size * p.ring_attention_size
+    return build_parallel_dims(p, p.data_parallel_replicate_size * cp * p.expert_parallel_size)
+
+
+def check_plans(
+    model: nn.Module, config: Config, dims: ParallelDims, hf_config
+) -> tuple[dict[str, list[PlanMatch]], list[str]]:
+    """Apply every enabled plan of the registry as a dry run, in order, on to the end; returns ({plan: matches} of
+    the plans that ran and passed, [errors])."""
+    context = PlanContext(config, dims, hf_config, select_device("cpu"))
+    matched, errors = {}, []
+    for plan in enabled_plans(config, dims, hf_config):
+        try:
+            matched[plan.name] = plan.apply(model, context)
+        except ConfigError as error:
+            errors.append(f"[plan {plan.name}] {error}")
+    return matched, errors
+
+
+def image_patches(
+    config: Config, hf_config, images_per_sample: int | None, image_size: int | None, cp: int = 1
+) -> tuple[int, str]:
+    """Patches per micro batch and rank for the activation estimate, and how they were derived. Under context
+    parallelism the images are split over the `cp` ranks (whole images, so a rank encodes ceil(images / cp)).
+
+    Defaults: the synthetic data's images; for JSON data one image per sample of the vision config's image_size.
+    """
+    data, vision = config.data, hf_config.vision_config
+    synthetic = data.dataset == "synthetic"
+    images = images_per_sample
+    if images is None:
+        images = data.synthetic_images_per_sample if synthetic else 1
+    size = image_size or (data.synthetic_image_size if synthetic else vision.image_size)
+    if images == 0:
+        return 0, "no images"
+    processor = load_image_processor(config.model.name_or_path, vision)
+    _, grid = process_images(processor, [Image.new("RGB", (size, size))])
+    patches = int(grid.prod())
+    tokens = patches // vision.spatial_merge_size**2
+    kept = min(images, config.data.cutoff_len // (tokens + 2))  # an image block never gets cut: it is dropped
+    per_micro_batch = kept * config.training.micro_batch_size
+    per_rank = -(-per_micro_batch // cp)
+    text = (
+        f"{kept} image(s) of {size}x{size} px per sample -> {patches} patches ({tokens} tokens) each, "
+        f"x micro_batch_size {config.training.micro_batch_size}"
+        + (f", split over cp {cp}: {per_rank} image(s) per rank" if cp > 1 else "")
+    )
+    return per_rank * patches, text
+
+
+def activation_estimate(
+    config: Config, hf_config, dims: ParallelDims, matched: dict[str, list[PlanMatch]], patches: int
+) -> ActivationEstimate:
+    """ACTIVATION_FORMULA for s tokens and `patches` image patches per rank, then every enabled plan's effect on it,
+    in the registry's order (recompute, offload, chunk loss, context parallelism)."""
+    tokens = config.training.micro_batch_size * config.data.cutoff_len // dims.cp  # context parallelism splits it
+    compute = DTYPES[config.parallel.fsdp_plan.param_dtype].itemsize
+    estimate = ActivationEstimate(activation_bytes(hf_config, tokens, patches, compute), compute)
+    for plan in enabled_plans(config, dims, hf_config):
+        plan.estimate(estimate, config, dims, hf_config, matched.get(plan.name, []))
+    return estimate
+
+
+def memory_report(
+    model: nn.Module,
+    hf_config,
+    config: Config,
+    dims: ParallelDims,
+    matched: dict[str, list[PlanMatch]],
+    device_memory_gib: float = 64.0,
+    images_per_sample: int | None = None,
+    image_size: int | None = None,
+) -> dict:
+    """Per-rank memory (bytes) of `dims.world_size` ranks, min/max over ranks and the assumptions behind it.
+
+    `model` is the meta model after every plan but FSDP (freeze decides what is trainable); `matched` is what each
+    plan's patterns matched (the FSDP units among them).
+    """
+    expert_units = sorted({name for match in matched.get("expert_parallel", []) for name in match.names})
+    plan = config.parallel.fsdp_plan
+    # The units apply_fsdp builds: merged to the unit size, what cannot fill a unit left to the enclosing one. The
+    # default unit size is the target device's (training.device; auto: npu, the backend's target).
+    device_type = config.training.device if config.training.device != "auto" else "npu"
+    size = unit_mib(plan, device_type)
+    required = set(REQUIRED_FSDP_UNITS)
+    groups = unit_groups(model, matched["fsdp"], required | set(expert_units), size, required=required)
+    fsdp_units = sorted(name for group in groups for name in group)
+    leader = {name: group[0] for group in groups for name in group}
+    sharded = dims.world_size > 1 or plan.cpu_offload
+    shard_size = dims.fsdp_size if sharded else 1
+    layout = ShardLayout(shard_size, dims.ep, dims.efsdp, sharded)
+    offloaded = sharded and plan.cpu_offload
+    routed = [f"{name}.experts" for match in matched.get("moe", []) for name in match.names]
+    specs = param_specs(model, fsdp_units, expert_units, routed)
+    specs = [dataclasses.replace(spec, unit=leader.get(spec.unit, spec.unit)) for spec in specs]
+    compute, reduce = DTYPES[plan.param_dtype].itemsize, DTYPES[plan.reduce_dtype].itemsize
+    transient = transient_bytes(specs, layout, compute, reduce, plan.reshard_after_forward, plan.prefetch)
+    patches, image_text = image_patches(config, hf_config, images_per_sample, image_size, dims.cp)
+    acts = activation_estimate(config, hf_config, dims, matched, patches)
+    tokens = acts.base.tokens
+    per_index = [state_bytes(specs, layout, index) for index in range(shard_size)]
+    ranks = []
+    for rank in range(dims.world_size):
+        state = per_index[rank % shard_size]  # rank = replica x fsdp_size + index on the FSDP mesh
+        host = state.total if offloaded else 0
+        ranks.append(
+            {
+                "rank": rank,
+                "params": state.params,
+                "expert_params": state.expert_params,
+                "grads": state.grads,
+                "optimizer": state.optimizer,
+                "padding": state.padding,
+                "transient": transient.total,
+                "activations": acts.total,
+                "host": host + acts.offloaded_bytes,
+                "total": state.total - host + transient.total + acts.total,
+            }
+        )
+    keys = [k for k in ranks[0] if k != "rank"]
+    limit = int(device_memory_gib * GIB)
+    worst = max(r["total"] for r in ranks)
+    return {
+        "fsdp_applied": sharded,
+        "shard_size": shard_size,
+        "fsdp_units": len(groups) + len(expert_units) + 1,
+        "cpu_offload": offloaded,
+        "per_rank": ranks,
+        "min": {k: min(r[k] for r in ranks) for k in keys},
+        "max": {k: max(r[k] for r in ranks) for k in keys},
+        "activations": {
+            "terms": [{"name": name, "bytes": nbytes, "how": how} for name, nbytes, how in acts.terms()],
+            "loss_peak": acts.loss_peak,
+            "offloaded": acts.offloaded_bytes,
+            "total": acts.total,
+        },
+        "transient": {"params": transient.params, "grads": transient.grads, "assumption": transient.assumption},
+        "device_memory_bytes": limit,
+        "fits": worst <= limit,
+        "assumptions": [
+            f"tokens per micro batch and rank s = micro_batch_size {config.training.micro_batch_size} x "
+            f"data.cutoff_len {config.data.cutoff_len} / cp {dims.cp} = {tokens}",
+            f"images: {image_text} = {patches} patches per micro batch",
+            f"transient: {transient.assumption}",
+            f"compute dtype {plan.param_dtype} (activations), reduce dtype {plan.reduce_dtype}",
+            f"FSDP units: {len(fsdp_units)} planned module(s) in {len(groups)} unit(s) at unit_mib {size:g}"
+            + ("" if plan.unit_mib is not None else f" (the {device_type} default)"),
+        ],
+        "formula": ACTIVATION_FORMULA,
+    }
+
+
+def build_report(args: argparse.Namespace) -> dict:
+    """Everything preflight checks and computes, as one JSON-able dict; `errors` lists every problem found."""
+    started = time.perf_counter()
+    config = load_config(args.config, args.overrides)
+    errors: list[str] = []
+    dims = None
+    if args.world_size is not None:
+        try:
+            dims = build_parallel_dims(config.parallel, args.world_size)
+        except UserError as error:
+            errors.append(f"[layout] {error}")
+    hf_config = load_hf_config(config.model)
+    model = build_meta_model(hf_config)
+    plan_dims = dims if dims is not None else minimal_dims(config)
+    matched, plan_errors = check_plans(model, config, plan_dims, hf_config)
+    errors += plan_errors
+    plans = []
+    for plan in PLANS:
+        enabled = plan.enabled(config, plan_dims, hf_config)
+        plans.append(
+            {
+                "plan": plan.name,
+                "key": plan.key,
+                "enabled": enabled,
+                "describe": plan.describe(config, plan_dims, hf_config) if enabled else None,
+                "patterns": {m.pattern: len(m.names) for m in matched[plan.name]} if plan.name in matched else None,
+            }
+        )
+    report = {
+        "config": args.config,
+        "world_size": args.world_size,
+        "layout": dataclasses.asdict(dims) | {"cp": dims.cp, "fsdp_size": dims.fsdp_size, "efsdp": dims.efsdp}
+        if dims
+        else None,
+        "model": describe_model(model, hf_config),
+        "plans": plans,
+        "errors": errors,
+        "memory": None,
+    }
+    if dims is not None and "fsdp" in matched:
+        report["memory"] = memory_report(
+            model, hf_config, config, dims, matched, args.device_memory_gib, args.images_per_sample, args.image_size
+        )
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    return report
+
+
+def _scale(largest: int) -> tuple[str, int]:
+    """GiB, or MiB when every figure is below 1 GiB (the tiny model)."""
+    return ("GiB (2^30 bytes)", GIB) if largest >= GIB else ("MiB (2^20 bytes)", 1 << 20)
+
+
+ROWS = (
+    ("params", "parameters (fp32 master shards)"),
+    ("expert_params", "  of which routed experts"),
+    ("grads", "gradients (fp32, trainable only)"),
+    ("optimizer", "AdamW exp_avg + exp_avg_sq + step"),
+    ("padding", "FSDP2 padding (param + grad storage)"),
+    ("transient", "unsharded units + grad buffers (transient)"),
+    ("activations", "activations (estimate, see formula)"),
+)
+
+
+def format_report(report: dict) -> str:
+    lines = [f"preflight: {report['config'] or 'configs/glm45v_tiny.yaml (default)'}", report["model"]]
+    layout = report["layout"]
+    if report["world_size"] is not None and layout is None:
+        lines.append(f"layout: FAILED for world size {report['world_size']}: see the error")
+    if layout:
+        lines.append(
+            f"layout: world {layout['world_size']} = dp_replicate {layout['dp_replicate']} x dp_shard "
+            f"{layout['dp_shard']} x cp_ring {layout['cp_ring']} x cp_ulysses {layout['cp_ulysses']}; FSDP mesh "
+            f"{layout['fsdp_size']} ranks = efsdp {layout['efsdp']} x ep {layout['ep']}"
+        )
+    lines.append("plans (matched on the meta device, in build order):")
+    for plan in report["plans"]:
+        if not plan["enabled"]:
+            lines.append(f"  [plan {plan['plan']}] not applied ({plan['key']}: empty or off)")
+        elif plan["patterns"] is None:
+            lines.append(f"  [plan {plan['plan']}] FAILED ({plan['key']}): see the error")
+        else:
+            count = f"{len(plan['patterns'])} pattern(s) " if plan["patterns"] else ""
+            lines.append(f"  [plan {plan['plan']}] {count}({plan['key']}): {plan['describe']}")
+            lines += [f"    {pattern}: {count} module(s)" for pattern, count in plan["patterns"].items()]
+    memory = report["memory"]
+    if memory:
+        lines += _format_memory(memory, report)
+    elif report["world_size"] is None:
+        lines.append("per-rank memory: pass --world-size N")
+    lines.append(f"preflight took {report['seconds']} s")
+    return "\n".join(lines)
+
+
+def _format_memory(memory: dict, report: dict) -> list[str]:
+    rank0 = memory["per_rank"][0]
+    unit, scale = _scale(memory["max"]["total"])
+    if memory["fsdp_applied"]:
+        how = f"FSDP2 over {memory['shard_size']} shard(s), {memory['fsdp_units']} FSDP units (root included)"
+    else:
+        how = "FSDP plan matched but not applied (one rank: nothing to shard)"
+    lines = [
+        "",
+        f"memory per rank, {unit}; world {report['world_size']}, {how}:",
+        f"  {'':44}{'min':>10}{'max':>10}{'rank 0':>10}",
+    ]
+    for key, label in (*ROWS, ("total", "total on the device")):
+        values = memory["min"][key], memory["max"][key], rank0[key]
+        lines.append(f"  {label:44}" + "".join(f"{v / scale:10.2f}" for v in values))
+    if memory["max"]["host"]:
+        values = memory["min"]["host"], memory["max"]["host"], rank0["host"]
+        what = "rows 1-4 (cpu_offload)" if memory["cpu_offload"] else ""
+        what += (" + " if what else "") + "offloaded activations" if memory["activations"]["offloaded"] else ""
+        lines.append(f"  {'on the host: ' + what:44}" + "".join(f"{v / scale:10.2f}" for v in values))
+    lines.append("  activations, by term (each plan that is on adjusts them):")
+    for term in memory["activations"]["terms"]:
+        lines.append(f"    {term['name']:44}{term['bytes'] / scale:10.2f}  {term['how']}")
+    verdict = "fits" if memory["fits"] else "does NOT fit"
+    lines.append(
+        f"  device memory {memory['device_memory_bytes'] / GIB:g} GiB: {verdict} "
+        f"(max over ranks {memory['max']['total'] / GIB:.2f} GiB)"
+    )
+    lines += ["assumptions:"] + [f"  - {a}" for a in memory["assumptions"]]
+    lines += ["activation formula:"] + [f"  {line}" for line in memory["formula"].splitlines()]
+    return lines
