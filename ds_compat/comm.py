@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.runtime import DeviceLayer, detect_dist_env, select_device
 from glm45v_fsdp.runtime import init_distributed as runtime_init_distributed
 
@@ -93,7 +94,10 @@ def init_distributed(
     if dist_backend is not None and dist_backend != device.backend:
         device = dataclasses.replace(device, backend=dist_backend)
     minutes = max(1, int(timeout.total_seconds() // 60))
-    runtime_init_distributed(detect_dist_env(env), device, timeout_minutes=minutes)
+    dist_env = detect_dist_env(env)
+    network = runtime_init_distributed(dist_env, device, timeout_minutes=minutes)
+    if dist_env.rank == 0:
+        get_logger().info("ds_compat: %s", network)
 
 
 def device_layer() -> DeviceLayer:

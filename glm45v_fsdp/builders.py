@@ -31,6 +31,7 @@ from glm45v_fsdp.runtime import (
     set_seed,
 )
 from glm45v_fsdp.runtime.threads import configure_cpu_threads
+from glm45v_fsdp.runtime.topology import NodeLayout, describe_placement, detect_layout
 
 
 @dataclass
@@ -40,10 +41,17 @@ class Runtime:
     dims: ParallelDims
     meshes: ParallelMeshes
     cpu_threads: str  # what configure_cpu_threads chose, for the log
+    network: str  # which interface the collectives bind to (runtime/network.py), for the log
+    nodes: NodeLayout  # which node each rank runs on (runtime/topology.py)
 
     @property
     def torch_device(self) -> torch.device:
         return self.device.device(self.env.local_rank)
+
+    @property
+    def topology(self) -> str:
+        """The node layout and which process groups stay inside a node, for the log."""
+        return describe_placement(self.dims, self.nodes)
 
     @property
     def is_main(self) -> bool:
@@ -65,10 +73,11 @@ def build_runtime(config: Config, local_rank_arg: int | None = None) -> Runtime:
     cpu_threads = configure_cpu_threads(env.local_world_size)
     device = select_device(config.training.device)
     set_deterministic(config.training.deterministic, device)  # before init: HCCL reads its variable at init
-    init_distributed(env, device, peer_timeout_s=config.training.peer_timeout_s)
+    network = init_distributed(env, device, peer_timeout_s=config.training.peer_timeout_s)
     set_seed(config.training.seed, device)
     meshes = ParallelMeshes(dims, device.type)
-    return Runtime(device=device, env=env, dims=dims, meshes=meshes, cpu_threads=cpu_threads)
+    nodes = detect_layout()
+    return Runtime(device, env, dims, meshes, cpu_threads=cpu_threads, network=network, nodes=nodes)
 
 
 def build_model(config: Config, runtime: Runtime, hf_config: object | None = None) -> tuple[nn.Module, object]:

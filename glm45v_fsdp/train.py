@@ -125,6 +125,8 @@ def run(argv: list[str]) -> dict:
     try:
         setup_logging(runtime.env.rank)
         get_logger().info(runtime.cpu_threads)
+        get_logger().info(runtime.network)
+        get_logger().info(runtime.topology)
         for line in (weights_line, resume_line):
             if line is not None:
                 get_logger().info(line)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,9 +18,11 @@ import torch.distributed as dist
 
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.runtime.device import DeviceLayer
+from glm45v_fsdp.runtime.network import configure_interfaces
 from glm45v_fsdp.runtime.watchdog import PEER_TIMEOUT_S, current_watchdog, start_watchdog
 
 DEFAULT_MASTER_PORT = 29500
+RENDEZVOUS_WAIT_S = 300.0  # how long ranks other than 0 wait for rank 0's rendezvous store to accept connections
 _SINGLE_PROCESS_ADDR = "127.0.0.1"
 
 
@@ -275,19 +278,51 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+def wait_for_rendezvous(env: DistEnv, port: int, network: str, wait_s: float = RENDEZVOUS_WAIT_S) -> None:
+    """Rank 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT: the others connect within `wait_s` (rank 0
+    may start later) or stop with one paragraph, not the process group's 30-minute timeout."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((env.master_addr, port), timeout=5.0):
+                return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"Rank {env.rank} ({socket.gethostname()}) could not reach the rendezvous at MASTER_ADDR="
+                    f"{env.master_addr} MASTER_PORT={port} for {wait_s:.0f} s ({error}). {network}. Check that rank 0 "
+                    f"is running and that MASTER_ADDR is its node's address on a network this node shares (not a "
+                    f"host name that resolves to loopback), and that the port is free and not blocked."
+                ) from None
+            time.sleep(0.5)
+
+
+_REMOTE = re.compile(r"remote=\[?([^\]\s,]+)\]?:(\d+)")
+
+
+def unreachable_peer(error: BaseException) -> str | None:
+    """'127.0.0.1:41235 (another rank)' when the error says a connection to a peer failed, else None."""
+    text = str(error)
+    if not any(sign in text for sign in ("connectFullMesh", "Connection refused", "No route to host", "timed out")):
+        return None
+    found = _REMOTE.search(text)
+    return f"{found.group(1)}:{found.group(2)} (another rank)" if found else "another rank"
+
+
 def init_distributed(
     env: DistEnv, device: DeviceLayer, timeout_minutes: int = 30, peer_timeout_s: float = PEER_TIMEOUT_S
-) -> None:
-    """Export the torchrun-style variables, bind the device and create the default process group (also for one
-    process: FSDP2 and DeviceMesh need a group), then start the fast-failure watchdog (runtime/watchdog.py) with
-    `peer_timeout_s` (0: none). A no-op when a group already exists."""
+) -> str:
+    """Choose the network interface (runtime/network.py), export the torchrun-style variables, bind the device and
+    create the default process group (also for one process: FSDP2 and DeviceMesh need a group), then start the
+    fast-failure watchdog (runtime/watchdog.py) with `peer_timeout_s` (0: none). Returns the network line for the
+    log. A no-op when a group already exists."""
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
             raise RuntimeError(
                 f"A process group already exists as rank {dist.get_rank()} of {dist.get_world_size()}, "
                 f"but the launcher says rank {env.rank} of {env.world_size}."
             )
-        return
+        return "network: the process group already existed"
     port = env.master_port or _free_port(env.master_addr)
     os.environ.update(
         RANK=str(env.rank),
@@ -297,21 +332,36 @@ def init_distributed(
         MASTER_ADDR=env.master_addr,
         MASTER_PORT=str(port),
     )
+    network = configure_interfaces(device.backend, env.master_addr, spans_nodes=env.local_world_size < env.world_size)
     device.set_device(env.local_rank)
     timeout = timedelta(minutes=timeout_minutes)
-    store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size, timeout=timeout))
-    # One key space per attempt: torchrun keeps its store across --max-restarts attempts, and a restarted group
-    # must not read the dead attempt's keys (gloo's peer addresses: "connectFullMesh failed ... Connection refused";
-    # the watchdog's failure report).
-    attempt = f"glm45v/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    store = dist.PrefixStore(attempt, store)
-    dist.init_process_group(
-        backend=device.backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
-    )
+    if env.rank != 0:
+        wait_for_rendezvous(env, port, network)
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size, timeout=timeout))
+        # One key space per attempt: torchrun keeps its store across --max-restarts attempts, and a restarted group
+        # must not read the dead attempt's keys (gloo's peer addresses: "connectFullMesh failed ... Connection
+        # refused"; the watchdog's failure report).
+        attempt = f"glm45v/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store = dist.PrefixStore(attempt, store)
+        dist.init_process_group(
+            backend=device.backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
+    except RuntimeError as error:  # DistBackendError, DistStoreError, gloo's enforce failures
+        unreachable = unreachable_peer(error)
+        if unreachable is None:
+            raise
+        raise UserError(
+            f"Rank {env.rank} ({socket.gethostname()}) could not connect to {unreachable} while the process group "
+            f"started ({str(error).splitlines()[0][:200]}). {network}. The address the peer advertised must be one "
+            f"this node reaches: set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / HCCL_IF_IP on every node to the "
+            f"interface of the network the nodes share (docs/multinode.md), and check that no firewall blocks it."
+        ) from None
     if env.world_size > 1 and peer_timeout_s > 0:
         # the watchdog thread gets a client connection of its own: the group's store object is the main thread's
         client = dist.TCPStore(env.master_addr, port, is_master=False, timeout=timeout)
         start_watchdog(dist.PrefixStore(attempt, client), env.rank, env.world_size, peer_timeout_s)
+    return network
 
 
 def shutdown(finished: bool = False) -> None:

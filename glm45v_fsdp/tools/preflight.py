@@ -28,6 +28,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--config", default=None, help="YAML config (default: configs/glm45v_tiny.yaml)")
     parser.add_argument("--world-size", type=int, default=None, help="ranks of the run: validates the layout")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default: all on one): which collective families run inside a node and which across",
+    )
     parser.add_argument("--device-memory-gib", type=float, default=64.0, help="memory of one accelerator (64)")
     parser.add_argument(
         "--images-per-sample",
@@ -44,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides applied after the YAML file")
     args = parser.parse_args(argv)
-    for flag in ("world_size", "images_per_sample", "image_size"):
+    for flag in ("world_size", "nproc_per_node", "images_per_sample", "image_size"):
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "images_per_sample" else 1):
             raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a positive integer.")

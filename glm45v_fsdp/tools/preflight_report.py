@@ -19,6 +19,7 @@ from glm45v_fsdp.parallel.fsdp import DTYPES, unit_groups, unit_mib
 from glm45v_fsdp.parallel.plan import PlanMatch
 from glm45v_fsdp.plans import PLANS, PlanContext, enabled_plans
 from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims, select_device
+from glm45v_fsdp.runtime.topology import FAMILIES, NodeLayout, placement
 from glm45v_fsdp.tools.estimate import (
     ACTIVATION_FORMULA,
     ActivationEstimate,
@@ -226,7 +227,24 @@ def build_report(args: argparse.Namespace) -> dict:
         "plans": plans,
         "errors": errors,
         "memory": None,
+        "nodes": None,
     }
+    if dims is not None:
+        per_node = args.nproc_per_node or args.world_size
+        if args.world_size % per_node:
+            errors.append(
+                f"[nodes] --nproc-per-node {per_node} does not divide --world-size {args.world_size}: every node "
+                f"runs the same number of ranks"
+            )
+        else:
+            nodes = NodeLayout.contiguous(args.world_size, per_node)
+            report["nodes"] = {
+                "count": nodes.node_count,
+                "ranks_per_node": per_node,
+                "placement": {
+                    f"{family} ({FAMILIES[family]})": where for family, where in placement(dims, nodes).items()
+                },
+            }
     if dims is not None and "fsdp" in matched:
         report["memory"] = memory_report(
             model, hf_config, config, dims, matched, args.device_memory_gib, args.images_per_sample, args.image_size
@@ -262,6 +280,12 @@ def format_report(report: dict) -> str:
             f"{layout['dp_shard']} x cp_ring {layout['cp_ring']} x cp_ulysses {layout['cp_ulysses']}; FSDP mesh "
             f"{layout['fsdp_size']} ranks = efsdp {layout['efsdp']} x ep {layout['ep']}"
         )
+    if report.get("nodes"):
+        nodes = report["nodes"]
+        lines.append(
+            f"nodes: {nodes['count']} x {nodes['ranks_per_node']} rank(s) (ranks placed by node, as launchers do):"
+        )
+        lines += [f"  {family}: {where}" for family, where in nodes["placement"].items()]
     lines.append("plans (matched on the meta device, in build order):")
     for plan in report["plans"]:
         if not plan["enabled"]:
