@@ -756,7 +756,7 @@ def validate_layout(p: ParallelConfig, world_size: int) -> None:
         keys = " x ".join(f"'{key}' = {size}" for key, size in named.items())
         raise ConfigError(
             f"Config key{'s' if len(named) > 1 else ''} {keys} need{'' if len(named) > 1 else 's'} a multiple of "
-            f"{product} processes, but the job has {world_size} (world size). Start {product} or a multiple of it "
+            f"{product} processes, but the job has world size {world_size}. Start {product} or a multiple of it "
             f"(e.g. torchrun --nproc_per_node {product}), or choose sizes whose product divides {world_size}."
         )
     dp_shard = world_size // (p.data_parallel_replicate_size * cp)

@@ -333,7 +333,9 @@ def test_parallel_dims():
     dims = ParallelDims(world_size=16, dp_replicate=2, dp_shard=2, cp_ring=2, cp_ulysses=2, ep=2)
     assert (dims.cp, dims.dp, dims.fsdp_size, dims.efsdp) == (4, 4, 8, 4)
     assert dims.cp_ring_enabled and dims.cp_ulysses_enabled and dims.ep_enabled
-    with pytest.raises(UserError, match="'parallel.data_parallel_replicate_size' = 3 needs a multiple of 3 .* has 4"):
+    with pytest.raises(
+        UserError, match="'parallel.data_parallel_replicate_size' = 3 needs a multiple of 3 .* world size 4"
+    ):
         build_parallel_dims(ParallelConfig(data_parallel_replicate_size=3), 4)
     # Ulysses 2 on one process: the key the user set is named, not one left at its default
     with pytest.raises(UserError, match="^Config key 'parallel.ulysses_parallel_size' = 2 needs a multiple of 2") as e:
