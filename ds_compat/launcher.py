@@ -2,7 +2,8 @@
 
 The hostfile and the filter flags resolve to deepspeed's world info (`ds_compat.hostfile`). This process then
 *becomes* torchrun (one node, or this node under `--no_ssh`), pdsh (one torchrun per node), srun or mpirun (one task
-per rank), so their exit status is the job's. Nothing here spawns or watches ranks. See docs/launcher.md.
+per rank), so their exit status is the job's. Without pdsh it starts one ssh per node and waits for them, as pdsh
+would. Nothing here spawns or watches ranks. See docs/launcher.md.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +34,9 @@ DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
 LAUNCHERS = ("pdsh", "openmpi", "slurm", "mpich", "impi")
 PDSH_FAN_OUT = 1024
+# Each node's ssh session notices a node that dropped off the network within ~30 s (without it: TCP's own timeout,
+# hours, and pdsh waits that long for the lost node); PDSH_SSH_ARGS_APPEND with ServerAlive* of your own wins.
+SSH_KEEPALIVE = "-o ServerAliveInterval=10 -o ServerAliveCountMax=3"
 LOCAL_RANK_ARG = "--local_rank=${local_rank}"  # torchrun's agent substitutes ${local_rank} in every worker argument
 VISIBLE_DEVICES = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
 EXPORT_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "HCCL", "ASCEND")
@@ -271,10 +277,41 @@ def pdsh_plan(
     steps.append("exec " + _sh(torchrun_command(args, len(nodes), Shell("$R"), Shell("$N"), addr)))
     hosts = ",".join(node.host for node in nodes)
     command = ["pdsh", "-S", "-f", str(PDSH_FAN_OUT), "-w", hosts, *shlex.split(args.launcher_args), "; ".join(steps)]
-    env = {"PDSH_RCMD_TYPE": "ssh"}
+    append = environ.get("PDSH_SSH_ARGS_APPEND", "")
+    if "ServerAlive" not in append:  # yours wins
+        append = f"{append} {SSH_KEEPALIVE}".strip()
     if args.ssh_port is not None:
-        env["PDSH_SSH_ARGS_APPEND"] = f"{environ.get('PDSH_SSH_ARGS_APPEND', '')} -p {args.ssh_port}".strip()
-    return command, env
+        append = f"{append} -p {args.ssh_port}"
+    return command, {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": append}
+
+
+def ssh_commands(plan: Plan, args: argparse.Namespace) -> list[list[str]]:
+    """Without pdsh: one `ssh HOST '<pdsh's remote command, %h = HOST>'` per node (the same remote command)."""
+    remote, options = plan.command[-1], shlex.split(plan.env["PDSH_SSH_ARGS_APPEND"])
+    return [["ssh", *options, host, remote.replace("%h", shlex.quote(host))] for host in plan.world]
+
+
+def run_over_ssh(commands: list[list[str]], environ: dict[str, str]) -> int:
+    """Start every node's ssh at once and wait; the first node that fails ends the others' ssh sessions (their
+    ranks end through the job's own failure handling). The exit status is the largest, as `pdsh -S` gives."""
+    processes = [subprocess.Popen(command, env=environ) for command in commands]
+    forward = lambda signum, _frame: [p.send_signal(signum) for p in processes if p.poll() is None]  # noqa: E731
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    codes: dict[int, int] = {}
+    while len(codes) < len(processes):
+        for index, process in enumerate(processes):
+            if index not in codes and process.poll() is not None:
+                codes[index] = process.returncode
+                if process.returncode != 0:
+                    log.error(
+                        "%s exited with %d: ending the other nodes' ssh sessions",
+                        commands[index][-2],
+                        process.returncode,
+                    )
+                    forward(signal.SIGTERM, None)
+        time.sleep(0.2)
+    return max(abs(code) for code in codes.values())
 
 
 def check_slurm_world(world: Resources) -> None:
@@ -449,10 +486,15 @@ def plan_launch(args: argparse.Namespace, environ: MutableMapping[str, str]) -> 
     return plan
 
 
-def check_backend(plan: Plan, args: argparse.Namespace) -> None:
-    """The program to exec exists; for pdsh, passwordless ssh to the first host works (unless --no_ssh_check)."""
-    if shutil.which(plan.command[0]) is None:
-        raise UserError(f"launcher '{plan.mode}' not installed: `{plan.command[0]}` is not on PATH.")
+def check_backend(plan: Plan, args: argparse.Namespace, environ: dict[str, str]) -> None:
+    """The program to exec exists (pdsh may fall back to ssh); for pdsh, passwordless ssh to the first host works
+    (unless --no_ssh_check)."""
+    program = plan.command[0]
+    if plan.mode == "pdsh" and shutil.which("pdsh", path=environ.get("PATH")) is None:
+        program = "ssh"
+    if shutil.which(program, path=environ.get("PATH")) is None:
+        needs = "pdsh or ssh" if plan.mode == "pdsh" else f"`{program}`"
+        raise UserError(f"launcher '{plan.mode}' not installed: {needs} is not on PATH.")
     if plan.mode != "pdsh" or args.no_ssh_check:
         return
     first = next(iter(plan.world))
@@ -473,9 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = plan_launch(args, environ)
         if args.dry_run:
-            print(json.dumps(plan.report(), indent=2))
+            report = plan.report()
+            if plan.mode == "pdsh" and shutil.which("pdsh", path={**environ, **plan.env}.get("PATH")) is None:
+                report["ssh_commands"] = ssh_commands(plan, args)  # what runs instead of pdsh
+            print(json.dumps(report, indent=2))
             return 0
-        check_backend(plan, args)
+        check_backend(plan, args, {**environ, **plan.env})
     except UserError as error:
         print(f"ds-fsdp: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -484,11 +529,18 @@ def main(argv: list[str] | None = None) -> int:
         plan.env[ENV_BACKEND],
         "import deepspeed -> ds_compat, the FSDP2 backend" if plan.env[ENV_BACKEND] == "fsdp" else "the real DeepSpeed",
     )
+    child_env = {**environ, **plan.env}
+    if plan.mode == "pdsh" and shutil.which("pdsh", path=child_env.get("PATH")) is None:
+        commands = ssh_commands(plan, args)
+        log.warning("pdsh is not installed: starting one ssh per node (%s) and waiting for them", ", ".join(plan.world))
+        for command in commands:
+            log.info("cmd = %s", shlex.join(command))
+        return run_over_ssh(commands, child_env)
     log.info("cmd = %s", shlex.join(plan.command))
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execvpe(plan.command[0], plan.command, {**environ, **plan.env})
+        os.execvpe(plan.command[0], plan.command, child_env)
     except OSError as error:
         print(f"ds-fsdp: error: cannot run {plan.command[0]}: {error}", file=sys.stderr)
         return 127

@@ -182,14 +182,20 @@ def test_pdsh_dry_run_runs_each_nodes_torchrun(env, capsys):
     assert report["mode"] == "pdsh" and report["master_addr"] == "worker-0" and report["world_size"] == 8
     assert report["command"][:-1] == ["pdsh", "-S", "-f", "1024", "-w", "worker-0,worker-1", "-R", "ssh"]
     pythonpath = f"{SHIM_DIR}:{env / 'work'}"
-    assert report["env"] == {"PYTHONPATH": pythonpath, "DS_FSDP_BACKEND": "fsdp", "PDSH_RCMD_TYPE": "ssh"}
+    keepalive = "-o ServerAliveInterval=10 -o ServerAliveCountMax=3"
+    assert report["env"] == {
+        "PYTHONPATH": pythonpath,
+        "DS_FSDP_BACKEND": "fsdp",
+        "PDSH_RCMD_TYPE": "ssh",
+        "PDSH_SSH_ARGS_APPEND": keepalive,
+    }
     assert [node["command"] for node in report["nodes"]] == [
         torchrun(2, rank, 4, "worker-0", "train.py", LOCAL_RANK_ARG, "--lr", "1e-4") for rank in (0, 1)
     ]
     assert report["nodes"][1]["env"]["CROSS_RANK"] == "1" and report["nodes"][1]["env"]["LOCAL_SIZE"] == "4"
     forced = dry_run(capsys, "--force_multi", "--num_gpus", "2", "--master_port", "1234", "--ssh_port", "2222", "x.py")
     assert forced["mode"] == "pdsh" and forced["command"][5] == "localhost" and forced["master_addr"] == "127.0.0.1"
-    assert forced["env"]["PDSH_SSH_ARGS_APPEND"] == "-p 2222"
+    assert forced["env"]["PDSH_SSH_ARGS_APPEND"] == f"{keepalive} -p 2222"
 
 
 def run_remote_script(report: dict, host: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -220,6 +226,20 @@ def test_pdsh_remote_command_quotes_and_selects_each_hosts_slots(env, capsys, mo
     assert report["nodes"][0]["command"][7:10] == ["0", "--nproc_per_node", "2"]
     unknown = run_remote_script(report, "worker-7", env)
     assert unknown.returncode == 1 and "worker-7 is not in the world info" in unknown.stderr
+
+
+def test_without_pdsh_each_node_gets_the_same_remote_command_over_ssh(env, capsys, monkeypatch):
+    """pdsh missing: one `ssh HOST '<the command pdsh would run there>'` per node, with the keepalive options;
+    tests/test_multinode.py runs it across two nodes for real."""
+    monkeypatch.setenv("PATH", str(env / "home"))  # neither pdsh nor anything else
+    report = dry_run(capsys, "-H", str(env / "hostfile"), "--ssh_port", "2222", "train.py")
+    keepalive = ["-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3", "-p", "2222"]
+    assert [command[:-1] for command in report["ssh_commands"]] == [
+        ["ssh", *keepalive, "worker-0"],
+        ["ssh", *keepalive, "worker-1"],
+    ]
+    for command, host in zip(report["ssh_commands"], ("worker-0", "worker-1")):
+        assert command[-1] == report["command"][-1].replace("%h", host) and "%h" not in command[-1]
 
 
 def test_no_ssh_runs_this_nodes_part(env, capsys):
