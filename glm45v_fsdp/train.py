@@ -221,6 +221,15 @@ def main(argv: list[str] | None = None) -> int:
             watchdog.finish()
         print(f"glm45v-train: {error}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except Exception as error:  # a crash keeps its traceback; a lost peer is named by node first
+        from glm45v_fsdp.log import get_logger
+        from glm45v_fsdp.runtime.topology import lost_peer
+
+        note = lost_peer(str(error))
+        if note is not None:
+            get_logger().error(note)
+            report_failure(RuntimeError(note))
+        raise
     end_process(0)
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -176,4 +178,54 @@ def test_rank0_posts_a_silent_rank_and_a_finished_one_is_not(monkeypatch):
     while not any(rank == 0 for rank, _ in ended) and time.time() < deadline:
         time.sleep(0.05)
     (rank, reason), *_ = ended
-    assert rank == 0 and "another rank failed first: rank 1: no heartbeat for" in reason
+    assert rank == 0 and f"another rank failed first: rank 1 on {socket.gethostname()}: no heartbeat for" in reason
+
+
+def test_a_store_that_stops_answering_ends_the_rank(monkeypatch):
+    """A node cut off from the store's host: a store call into the dead link blocks instead of failing, so the
+    guard thread ends the rank once the store has been silent for peer_timeout_s."""
+    import threading
+
+    from glm45v_fsdp.runtime.watchdog import Watchdog
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    cut = threading.Event()
+    ended: list[str] = []
+
+    class Store:  # answers until the link goes down, then every call blocks
+        def __init__(self) -> None:
+            self.values: dict[str, bytes] = {}
+
+        def _wait(self) -> None:
+            while cut.is_set():
+                time.sleep(0.05)
+
+        def set(self, key: str, value: str) -> None:
+            self._wait()
+            self.values[key] = value.encode()
+
+        def check(self, keys: list[str]) -> bool:
+            self._wait()
+            return all(key in self.values for key in keys)
+
+        def get(self, key: str) -> bytes:
+            self._wait()
+            return self.values[key]
+
+    class Recording(Watchdog):
+        def _end(self, reason: str) -> None:
+            if self._armed.is_set():
+                ended.append(reason)
+                self._stop.set()
+
+    watchdog = Recording(Store(), 1, 2, peer_timeout_s=1.0, poll_s=0.05, heartbeat_s=0.1).start()
+    time.sleep(1.5)
+    assert ended == []  # answering: never ended, however long
+    cut.set()
+    deadline = time.time() + 10
+    while not ended and time.time() < deadline:
+        time.sleep(0.05)
+    cut.clear()
+    watchdog.finish()
+    assert ended and re.search(r"the rendezvous store has not answered for \d+ s", ended[0]), ended
+    assert f"this rank's node ({socket.gethostname()}) is cut off" in ended[0]

@@ -641,3 +641,20 @@ def test_cpu_threads_leave_a_core_and_split_the_rest_over_local_ranks(monkeypatc
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_failed_collective_that_names_a_peer_address_is_named_by_node(monkeypatch):
+    """gloo's error names the peer's address; the trainer logs which node and ranks that is (runtime/topology.py)."""
+    import socket
+
+    from glm45v_fsdp.runtime import topology
+
+    here = socket.gethostname()
+    peers = {"10.214.16.11": (here, [0, 1]), "10.214.16.12": ("node1", [2, 3])}
+    monkeypatch.setattr(topology, "_peers", peers)
+    gloo = "[../gloo/transport/tcp/pair.cc:537] Read error [10.214.16.12]:57984: Connection reset by peer."
+    assert topology.lost_peer(gloo) == (
+        "lost the connection to node1 (10.214.16.12, rank(s) 2-3): that node's processes died or its network went down"
+    )
+    assert topology.lost_peer("Read error [10.214.16.11]:1: Connection reset by peer") is None  # this node
+    assert topology.lost_peer("Read error [10.214.16.1234]:1") is None and topology.lost_peer("no address") is None

@@ -11,6 +11,8 @@ checks it against the meshes' own groups on a 2-node cluster); `NodeLayout` is w
 from __future__ import annotations
 
 import math
+import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -111,11 +113,40 @@ def describe_placement(dims: ParallelDims, layout: NodeLayout) -> str:
     return f"topology: {layout.describe()}; " + "; ".join(parts)
 
 
-def detect_layout() -> NodeLayout:
-    """Every rank's host name gathered (collective): where the ranks really run."""
-    from glm45v_fsdp.runtime.dist import gather_objects
+_IPV4 = re.compile(r"(?<![\d.])(\d{1,3}(?:\.\d{1,3}){3})(?![\d.])")
+# a node's address (the one its ranks reach MASTER_ADDR from) -> (host, ranks)
+_peers: dict[str, tuple[str, list[int]]] = {}
 
-    return NodeLayout.from_hosts([str(host) for host in gather_objects(socket.gethostname())])
+
+def detect_layout() -> NodeLayout:
+    """Every rank's host name and address gathered (collective): where the ranks really run; the addresses let a
+    lost connection be named by node (`lost_peer`)."""
+    from glm45v_fsdp.runtime.dist import gather_objects
+    from glm45v_fsdp.runtime.network import route_to
+
+    master = os.environ.get("MASTER_ADDR")
+    address = route_to(master)[1] if master else None
+    seen = gather_objects((socket.gethostname(), address))
+    layout = NodeLayout.from_hosts([str(host) for host, _ in seen])
+    _peers.clear()
+    for rank, (host, where) in enumerate(seen):
+        if where is not None:
+            _peers.setdefault(where, (host, []))[1].append(rank)
+    return layout
+
+
+def lost_peer(message: str) -> str | None:
+    """For a failed collective's message that names a peer's address (gloo: `Read error [10.0.0.12]:57984:
+    Connection reset by peer`): which node and ranks that is, for the log. None when it names no other node."""
+    here = socket.gethostname()
+    for address in _IPV4.findall(message):
+        if address in _peers and _peers[address][0] != here:
+            host, ranks = _peers[address]
+            return (
+                f"lost the connection to {host} ({address}, rank(s) {_ranges(ranks)}): that node's processes died "
+                f"or its network went down"
+            )
+    return None
 
 
 def _ranges(ranks: list[int]) -> str:

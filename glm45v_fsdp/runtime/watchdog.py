@@ -10,7 +10,8 @@ Each rank runs a daemon thread on the job's rendezvous store (a client connectio
 - a rank that ends with an exception posts itself as failed first (`report_failure`, also from sys.excepthook);
 - every thread polls the failure key; when it is set, the rank logs which rank failed first and why, and exits
   EXIT_PEER_FAILED at once. A store that stops answering (its host, rank 0 or the launcher's agent, is gone) is a
-  failure too.
+  failure too: a store call that fails, or one that has not come back for `peer_timeout_s` (this rank's node is
+  cut off: a call into a dead link blocks rather than fails), which a second thread watches.
 A rank that finished (`finish`) or is stopping on its own error (`disarm`) is never ended by its thread.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 import threading
 import time
@@ -43,21 +45,27 @@ class Watchdog:
         self._armed = threading.Event()
         self._armed.set()
         self._stop = threading.Event()
+        self.host_keys = [f"watchdog/host/{r}" for r in range(world)]
         self._thread = threading.Thread(target=self._run, name="glm45v-watchdog", daemon=True)
+        self._guard = threading.Thread(target=self._guard_store, name="glm45v-watchdog-guard", daemon=True)
+        self._last_answer = time.monotonic()
         self._previous_hook = sys.excepthook
 
     def start(self) -> Watchdog:
+        self.store.set(self.host_keys[self.rank], socket.gethostname())
         self.store.set(self.heartbeat_keys[self.rank], "0")
         sys.excepthook = self._excepthook
         atexit.register(self.finish)  # a script that simply returns (the engine API) has finished, not failed
+        self._last_answer = time.monotonic()
         self._thread.start()
+        self._guard.start()
         return self
 
     def report_failure(self, reason: str) -> None:
         """Tell every rank that this one is failing (the first report wins); this rank's own thread stands down."""
         self.disarm()
         try:
-            self.store.compare_set(self.failed_key, "", f"rank {self.rank}: {reason}")
+            self.store.compare_set(self.failed_key, "", f"rank {self.rank} on {socket.gethostname()}: {reason}")
         except Exception:  # the store is gone as well: the others find out through it
             pass
 
@@ -100,10 +108,26 @@ class Watchdog:
                     self._end(f"another rank failed first: {self.store.get(self.failed_key).decode()}")
                 if self.rank == 0:
                     self._check_heartbeats(heard, now)
+                self._last_answer = time.monotonic()
             except Exception as error:
                 if self._stop.is_set():
                     return
                 self._end(f"the rendezvous store stopped answering ({type(error).__name__}): its host is gone")
+
+    def _guard_store(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            silent = time.monotonic() - self._last_answer
+            if silent > self.peer_timeout_s:
+                self._end(
+                    f"the rendezvous store has not answered for {silent:.0f} s: this rank's node "
+                    f"({socket.gethostname()}) is cut off from the store's host (a link or switch down), or that "
+                    f"host is gone"
+                )
+                return
+
+    def _host(self, rank: int) -> str:
+        key = self.host_keys[rank]
+        return self.store.get(key).decode() if self.store.check([key]) else "unknown host"
 
     def _check_heartbeats(self, heard: dict[int, tuple[str, float]], now: float) -> None:
         for rank, key in enumerate(self.heartbeat_keys):
@@ -116,7 +140,8 @@ class Watchdog:
                 self.store.compare_set(
                     self.failed_key,
                     "",
-                    f"rank {rank}: no heartbeat for {silent:.0f} s (killed, out of memory, or its node is lost)",
+                    f"rank {rank} on {self._host(rank)}: no heartbeat for {silent:.0f} s (killed, out of memory, or "
+                    f"its node is lost)",
                 )
                 heard[rank] = (value, float("inf"))  # reported once
 
