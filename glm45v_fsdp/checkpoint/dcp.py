@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import secrets
 import shutil
+import socket
 import time
 import warnings
 from concurrent.futures import Future
@@ -53,6 +55,7 @@ from glm45v_fsdp.metrics import check_writable_dir
 from glm45v_fsdp.runtime.faults import Fault
 
 TMP_SUFFIX = ".tmp"
+SHARED_PROBE_PREFIX = ".shared-storage-probe-"
 LATEST_FILE = "latest"
 METADATA_FILE = ".metadata"
 MODEL_KEY = "model"
@@ -372,6 +375,43 @@ class _Pending:
     started: float
 
 
+def check_shared_save_dir(save_dir: Path, rank: int) -> None:
+    """Every rank must see the directory rank 0 sees: a checkpoint is one directory that every rank writes its shard
+    into and rank 0 publishes, so a path that is local to each node (a local disk, /tmp, a per-node tmpfs) would
+    split it across the nodes. Rank 0 writes a probe file with a fresh token, every rank reads it back; any rank
+    that does not see it stops the job (on every rank) before the first step. Collective; nothing with one rank."""
+    from glm45v_fsdp.runtime.dist import gather_objects, rank_and_world
+
+    if rank_and_world()[1] == 1:
+        return
+    token = secrets.token_hex(8) if rank == 0 else None
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        (save_dir / f"{SHARED_PROBE_PREFIX}{token}").write_text(token)
+    token = gather_objects(token)[0]  # also the barrier after rank 0's write
+    probe = save_dir / f"{SHARED_PROBE_PREFIX}{token}"
+    try:
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    views = gather_objects((socket.gethostname(), seen))
+    if rank == 0:
+        probe.unlink(missing_ok=True)
+    blind: dict[str, list[int]] = {}
+    for other, (host, ok) in enumerate(views):
+        if not ok:
+            blind.setdefault(host, []).append(other)
+    if blind:
+        where = "; ".join(f"rank(s) {', '.join(map(str, ranks))} on {host}" for host, ranks in blind.items())
+        raise UserError(
+            f"Config key 'training.save' = '{save_dir}' is not one directory shared by every node: rank 0 on "
+            f"{views[0][0]} wrote {probe.name} there and {where} do not see it. Every rank writes its shard of a "
+            f"checkpoint into that directory and rank 0 publishes it, so on storage local to each node (a local "
+            f"disk, /tmp, a per-node tmpfs) it would be split across the nodes and could not be resumed. Point "
+            f"training.save at storage every node mounts at the same path (NFS, Lustre, GPFS, a shared volume)."
+        )
+
+
 class Checkpointer:
     """Writes a run's checkpoints into training.save: cadence, atomic publish, keep-last pruning, background writes.
 
@@ -390,6 +430,7 @@ class Checkpointer:
         self.final_step = training.train_iters
         self.async_save = training.async_save
         self.rank = rank
+        check_shared_save_dir(self.save_dir, rank)
         self.group = dist.new_group(backend="gloo") if training.async_save else None
         self.last_step: int | None = None  # the step whose state is on disk (set by a save or a resume)
         self.blocked_s = 0.0
