@@ -166,15 +166,61 @@ def test_106b_script(stand_ins):
     assert (REPO / "configs" / "glm45v_106b_sft.yaml").is_file()
 
 
-def test_k8s_pytorchjob_command(stand_ins):
+def operator_pods(job: dict, version: str) -> list[dict[str, str]]:
+    """The environment the Kubeflow training operator gives each pod of `job` (its envvar.go, per version): MASTER_*
+    from the Master's service and port, RANK = the pod's index; WORLD_SIZE = pods (up to v1.6) or pods x
+    nprocPerNode with PET_NNODES / PET_NODE_RANK / PET_NPROC_PER_NODE (v1.7 on)."""
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    pods = sum(spec["replicas"] for spec in specs.values())
+    container = specs["Master"]["template"]["spec"]["containers"][0]
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "pytorchjob-port")
+    nproc = job["spec"].get("nprocPerNode", "auto")
+    per_pod = int(nproc) if str(nproc).isdigit() else 1  # the operator's getNprocPerNodeInt
+    envs = []
+    for index in range(pods):  # Master is index 0, Worker i is i + 1
+        env = {"PYTHONUNBUFFERED": "0", "MASTER_ADDR": f"{job['metadata']['name']}-master-0", "MASTER_PORT": str(port)}
+        if version == "v1.6":
+            env.update(WORLD_SIZE=str(pods), RANK=str(index))
+        else:
+            env.update(WORLD_SIZE=str(pods * per_pod), RANK=str(index), PET_NPROC_PER_NODE=str(nproc))
+            env.update(PET_NODE_RANK=str(index), PET_NNODES=str(pods))
+        envs.append(env)
+    return envs
+
+
+@pytest.mark.parametrize("version", ["v1.6", "v1.7"])
+def test_k8s_pytorchjob_pods_give_torchrun_and_the_trainer_the_right_world(stand_ins, monkeypatch, version):
+    """Render every pod as the operator would, run its command up to torchrun (a stand-in), parse that command
+    line with torchrun's own parser in the pod's environment (it reads PET_* too), and hand each rank the
+    variables torchrun would give it to the trainer's launcher detection."""
+    from torch.distributed.run import get_args_parser
+
+    from glm45v_fsdp.runtime.dist import detect_dist_env
+
     job = yaml.safe_load((LAUNCH / "k8s_pytorchjob.yaml").read_text())
     assert job["kind"] == "PyTorchJob" and job["apiVersion"] == "kubeflow.org/v1"
     specs = job["spec"]["pytorchReplicaSpecs"]
     master, worker = (specs[role]["template"]["spec"]["containers"][0] for role in ("Master", "Worker"))
-    assert master == worker and master["name"] == "pytorch"
-    assert master["ports"][0]["name"] == "pytorchjob-port"
-    pod_env = {"WORLD_SIZE": "16", "RANK": "4", "MASTER_ADDR": "glm45v-sft-master-0", "MASTER_PORT": "23456"}
-    seen = started([*master["command"], *master["args"]], stand_ins, **pod_env)
-    torchrun = "-m torch.distributed.run --nnodes 16 --node_rank 4 --nproc_per_node 8"
-    assert " ".join(seen["argv"][:12]) == f"{torchrun} --master_addr glm45v-sft-master-0 --master_port 23456"
-    assert "configs/glm45v_106b_sft.yaml" in seen["argv"] and seen["env"]["HCCL_CONNECT_TIMEOUT"] == "1200"
+    assert master == worker and master["name"] == "pytorch" and master["ports"][0]["name"] == "pytorchjob-port"
+    devices = int(master["resources"]["limits"]["huawei.com/Ascend910"])
+    pods = operator_pods(job, version)
+    assert len(pods) == 16 and devices == int(job["spec"]["nprocPerNode"]) == 8
+    for index in (0, 1, len(pods) - 1):  # the Master, the first Worker, the last
+        pod_env = pods[index]
+        seen = started([*master["command"], *master["args"]], stand_ins, **pod_env)
+        assert seen["argv"][:2] == ["-m", "torch.distributed.run"] and seen["env"]["HCCL_CONNECT_TIMEOUT"] == "1200"
+        with monkeypatch.context() as patch:  # torchrun's parser takes PET_* defaults from the environment
+            for name, value in pod_env.items():
+                patch.setenv(name, value)
+            args = get_args_parser().parse_args(seen["argv"][2:])
+        assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("16", index, str(devices)), (version, index)
+        assert (args.master_addr, args.master_port) == ("glm45v-sft-master-0", 23456)
+        assert args.training_script == "glm45v_fsdp.train"
+        assert "configs/glm45v_106b_sft.yaml" in args.training_script_args
+        for local in (0, devices - 1):  # what torchrun sets for its ranks (static rendezvous: node-major ranks)
+            rank_env = {**pod_env, "RANK": str(index * devices + local), "LOCAL_RANK": str(local),
+                        "WORLD_SIZE": str(16 * devices), "LOCAL_WORLD_SIZE": str(devices),
+                        "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port)}  # fmt: skip
+            dist_env = detect_dist_env(rank_env)
+            assert (dist_env.rank, dist_env.world_size) == (index * devices + local, 128)
+            assert (dist_env.local_rank, dist_env.local_world_size) == (local, devices)
