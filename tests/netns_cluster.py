@@ -3,10 +3,11 @@
 Each node is a network namespace with its own loopback and an `eth0` (a veth pair) on a bridge of this cluster's
 own, with an address on a private /24 that exists only on that bridge (no route out of it, no NAT). The nodes share
 the filesystem, as cluster nodes share their storage. Every node resolves `node0`, `node1`, ... through its own
-`/etc/netns/NAME/hosts` (which `ip netns exec` mounts over /etc/hosts), and every process this cluster starts on a
-node runs in a UTS namespace with the node's host name, so `hostname` says `nodeK` as on a cluster. Each node runs
-an sshd on its own address only (host key, config and the root key in this cluster's directory), so `ssh nodeK` and
-pdsh reach it; the `ssh` on `env()`'s PATH carries the cluster's ssh config.
+`/etc/netns/NAME/hosts` (bound over /etc/hosts in each process's mount namespace, as `ip netns exec` does), and
+every process this cluster starts on a node runs in a UTS namespace with the node's host name, so `hostname` says
+`nodeK` as on a cluster. Each node runs an sshd on its own address only (host key, config and the root key in this
+cluster's directory), so `ssh nodeK` and pdsh reach it; the `ssh` on `env()`'s PATH carries the cluster's ssh
+config. tests/slurm_cluster.py spreads a Slurm cluster over these nodes.
 
 `stop()` removes exactly what `start()` made (its namespaces, bridge, veths, /etc/netns entries; the processes in its
 namespaces, by pid), never anything else. Needs root, iproute2, unshare, openssh-server and pdsh (.ci/system-packages
@@ -23,7 +24,7 @@ import subprocess
 import time
 from pathlib import Path
 
-PROGRAMS = ("ip", "unshare", "sshd", "ssh", "ssh-keygen", "pdsh")
+PROGRAMS = ("ip", "nsenter", "unshare", "mount", "hostname", "sshd", "ssh", "ssh-keygen", "pdsh")
 SUBNETS = [ipaddress.ip_network(f"10.214.{third}.0/24") for third in range(16, 240)]
 
 
@@ -134,10 +135,15 @@ class NetnsCluster:
 
     # ---------------------------------------------------------------------------------------------------------
     def command(self, node: int, argv: list[str]) -> list[str]:
-        """`argv` as it runs on `node`: in its network namespace, with its host name."""
-        return [
-            "ip", "netns", "exec", self.namespaces[node],
-            "unshare", "--uts", "sh", "-c", f'hostname {self.names[node]} && exec "$@"', "sh", *argv,
+        """`argv` as it runs on `node`: in its network namespace, with its host name and its /etc/hosts.
+
+        Like `ip netns exec`, but without remounting /sys (that would hide /sys/fs/cgroup, which slurmd needs):
+        nsenter joins the network namespace, and a mount namespace of its own binds the node's hosts file."""
+        hosts = Path("/etc/netns") / self.namespaces[node] / "hosts"
+        setup = f"{_tool('mount')} --bind {hosts} /etc/hosts && {_tool('hostname')} {self.names[node]}"
+        return [  # absolute programs: `argv` may run with a PATH of its own
+            _tool("nsenter"), f"--net=/run/netns/{self.namespaces[node]}", _tool("unshare"), "--mount", "--uts",
+            "/bin/sh", "-c", f'{setup} && exec "$@"', "sh", *argv,
         ]  # fmt: skip
 
     def run(self, node: int, argv: list[str], env: dict | None = None, timeout: float = 60, **kwargs):

@@ -1,4 +1,6 @@
-"""A real single-node Slurm cluster for the tests: munged, slurmctld and slurmd on this machine.
+"""A real Slurm cluster for the tests: munged, slurmctld and slurmd on this machine, or across the nodes of a
+network-namespace cluster (tests/netns_cluster.py): slurmctld on node0, one slurmd per node, one munged whose socket
+every node reaches through the shared filesystem (the shared munge key of a real cluster).
 
 Everything lives in one directory the test owns (key, sockets, spool, state, logs, slurm.conf): nothing under /etc is
 written, the daemons listen on free ports, and `stop()` ends exactly the daemons this cluster started (by their pid
@@ -40,15 +42,21 @@ def _tool(name: str) -> str | None:
 class SlurmCluster:
     """`start()` brings the cluster up (the node idle in `sinfo`), `stop()` ends its daemons."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, nodes=None, slurmd_timeout_s: int | None = None):
+        """`nodes`: a started NetnsCluster to spread over (its node names and addresses); None: this machine.
+        `slurmd_timeout_s`: Slurm's SlurmdTimeout, how long a node may not answer before it is DOWN and its jobs
+        are ended (Slurm's default 300 s)."""
         self.root = root
-        self.host = socket.gethostname().split(".")[0]
+        self.nodes = nodes
+        self.slurmd_timeout_s = slurmd_timeout_s
+        self.hosts = list(nodes.names) if nodes else [socket.gethostname().split(".")[0]]
+        self.host = self.hosts[0]
         self.conf = root / "slurm.conf"
         self.socket = root / "munge" / "munge.socket"
         self.pid_files = {
             "munged": root / "munge" / "munged.pid",
             "slurmctld": root / "slurmctld.pid",
-            "slurmd": root / "slurmd.pid",
+            **{f"slurmd {host}": root / f"slurmd.{host}.pid" for host in self.hosts},
         }
 
     @staticmethod
@@ -85,16 +93,26 @@ class SlurmCluster:
             f"--seed-file={munge / 'munged.seed'}",
         )
         self.conf.write_text(self._slurm_conf())
-        self._run(_tool("slurmctld"), "-f", str(self.conf))
-        self._run(_tool("slurmd"), "-f", str(self.conf))
+        self._run(_tool("slurmctld"), "-f", str(self.conf), node=0)
+        for index in range(len(self.hosts)):
+            self.start_slurmd(index)
+        self.wait_until_idle(timeout_s)
+
+    def start_slurmd(self, index: int) -> None:
+        """(Re)start node `index`'s slurmd (after a node's processes were all killed, say)."""
+        host = self.hosts[index]
+        (self.root / "spool" / host).mkdir(exist_ok=True)
+        self._run(_tool("slurmd"), "-f", str(self.conf), "-N", host, node=index)
+
+    def wait_until_idle(self, timeout_s: float = 60.0) -> None:
         deadline = time.time() + timeout_s
         state = ""
         while time.time() < deadline:
             state = self.command("sinfo", "--noheader", "--format=%T", check=False).stdout.strip()
-            if state == "idle":
+            if state == "idle":  # every node (sinfo folds nodes of one state into one line)
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"the Slurm node did not become idle in {timeout_s} s (sinfo: {state!r}):\n{self.logs()}")
+        raise RuntimeError(f"the Slurm nodes did not become idle in {timeout_s} s (sinfo: {state!r}):\n{self.logs()}")
 
     def _slurm_conf(self) -> str:
         memory_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 * 8 // 10
@@ -102,7 +120,7 @@ class SlurmCluster:
         return "\n".join(
             [
                 "ClusterName=glm45vtest",
-                f"SlurmctldHost={self.host}",
+                f"SlurmctldHost={self.host}" + (f"({self.nodes.addresses[0]})" if self.nodes else ""),
                 f"SlurmctldPort={_free_port()}",
                 f"SlurmdPort={_free_port()}",
                 "SlurmUser=root",
@@ -111,11 +129,11 @@ class SlurmCluster:
                 "CredType=cred/munge",
                 f"AuthInfo=socket={self.socket}",
                 f"StateSaveLocation={root / 'state'}",
-                f"SlurmdSpoolDir={root / 'spool'}",
+                f"SlurmdSpoolDir={root / 'spool' / '%n'}",
                 f"SlurmctldPidFile={self.pid_files['slurmctld']}",
-                f"SlurmdPidFile={self.pid_files['slurmd']}",
+                f"SlurmdPidFile={root / 'slurmd.%n.pid'}",
                 f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
-                f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
+                f"SlurmdLogFile={root / 'log' / 'slurmd.%n.log'}",
                 "ProctrackType=proctrack/linuxproc",
                 "TaskPlugin=task/none",
                 "SelectType=select/cons_tres",
@@ -126,20 +144,33 @@ class SlurmCluster:
                 "JobAcctGatherType=jobacct_gather/none",
                 "AccountingStorageType=accounting_storage/none",
                 "MinJobAge=3600",
-                f"NodeName={self.host} CPUs={NODE_CPUS} RealMemory={memory_mib} State=UNKNOWN",
-                f"PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
+                *([f"SlurmdTimeout={self.slurmd_timeout_s}"] if self.slurmd_timeout_s else []),
+                *(
+                    f"NodeName={host}{self._node_address(index)} CPUs={NODE_CPUS} RealMemory={memory_mib} State=UNKNOWN"
+                    for index, host in enumerate(self.hosts)
+                ),
+                f"PartitionName=debug Nodes={','.join(self.hosts)} Default=YES MaxTime=INFINITE State=UP",
                 "",
             ]
         )
 
-    def _run(self, *command: str) -> None:
-        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **self.env()})
+    def _node_address(self, index: int) -> str:
+        return f" NodeAddr={self.nodes.addresses[index]}" if self.nodes else ""
+
+    def on_node(self, node: int, command: list[str]) -> list[str]:
+        """`command` as it runs on node `node` (in its namespace under a NetnsCluster; as is on this machine)."""
+        return self.nodes.command(node, command) if self.nodes else command
+
+    def _run(self, *command: str, node: int | None = None) -> None:
+        argv = list(command) if node is None else self.on_node(node, list(command))
+        result = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **self.env()})
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}): {result.stderr}\n{self.logs()}")
 
     def command(self, *command: str, check: bool = True) -> subprocess.CompletedProcess:
-        """A Slurm client command against this cluster."""
-        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **self.env()})
+        """A Slurm client command against this cluster (from node0 under a NetnsCluster)."""
+        argv = self.on_node(0, list(command))
+        result = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **self.env()})
         if check and result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}): {result.stderr}")
         return result
@@ -167,7 +198,7 @@ class SlurmCluster:
         )
 
     def stop(self) -> None:
-        for name in reversed(DAEMONS):
+        for name in reversed(list(self.pid_files)):
             path = self.pid_files[name]
             try:
                 pid = int(path.read_text().split()[0])
