@@ -486,12 +486,15 @@ def plan_launch(args: argparse.Namespace, environ: MutableMapping[str, str]) -> 
     return plan
 
 
+def over_ssh(plan: Plan, environ: dict[str, str]) -> bool:
+    """A pdsh launch where pdsh is not on the child's PATH: one ssh per node instead."""
+    return plan.mode == "pdsh" and shutil.which("pdsh", path=environ.get("PATH")) is None
+
+
 def check_backend(plan: Plan, args: argparse.Namespace, environ: dict[str, str]) -> None:
     """The program to exec exists (pdsh may fall back to ssh); for pdsh, passwordless ssh to the first host works
     (unless --no_ssh_check)."""
-    program = plan.command[0]
-    if plan.mode == "pdsh" and shutil.which("pdsh", path=environ.get("PATH")) is None:
-        program = "ssh"
+    program = "ssh" if over_ssh(plan, environ) else plan.command[0]
     if shutil.which(program, path=environ.get("PATH")) is None:
         needs = "pdsh or ssh" if plan.mode == "pdsh" else f"`{program}`"
         raise UserError(f"launcher '{plan.mode}' not installed: {needs} is not on PATH.")
@@ -514,13 +517,14 @@ def main(argv: list[str] | None = None) -> int:
     environ = dict(os.environ)
     try:
         plan = plan_launch(args, environ)
+        child_env = {**environ, **plan.env}
         if args.dry_run:
             report = plan.report()
-            if plan.mode == "pdsh" and shutil.which("pdsh", path={**environ, **plan.env}.get("PATH")) is None:
+            if over_ssh(plan, child_env):
                 report["ssh_commands"] = ssh_commands(plan, args)  # what runs instead of pdsh
             print(json.dumps(report, indent=2))
             return 0
-        check_backend(plan, args, {**environ, **plan.env})
+        check_backend(plan, args, child_env)
     except UserError as error:
         print(f"ds-fsdp: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -529,8 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         plan.env[ENV_BACKEND],
         "import deepspeed -> ds_compat, the FSDP2 backend" if plan.env[ENV_BACKEND] == "fsdp" else "the real DeepSpeed",
     )
-    child_env = {**environ, **plan.env}
-    if plan.mode == "pdsh" and shutil.which("pdsh", path=child_env.get("PATH")) is None:
+    if over_ssh(plan, child_env):
         commands = ssh_commands(plan, args)
         log.warning("pdsh is not installed: starting one ssh per node (%s) and waiting for them", ", ".join(plan.world))
         for command in commands:

@@ -139,7 +139,6 @@ EXPORTED = {"MLFLOW_TRACKING_URI": "file:///tmp/glm45v-mlruns", "UCX_LOG_LEVEL":
 # The variables deepspeed's launch gives each rank, compared between the real launcher and ds-fsdp.
 PER_RANK = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "CROSS_RANK", "CROSS_SIZE",
             "LOCAL_SIZE", "CUDA_VISIBLE_DEVICES", *DEEPSPEED_ENV, *EXPORTED)  # fmt: skip
-PROBED = ("deepspeed", "ds-fsdp pdsh", "ds-fsdp ssh")
 API_ROWS = ("deepspeed api", "ds-fsdp api")
 MAX_PARALLEL = 3  # launches at once: 12 ranks on 2 cores, within memory
 
@@ -153,6 +152,7 @@ class Launch:
     commands: list[tuple[int, list[str]]]
     env: dict[str, str]
     processes: list[subprocess.Popen] = field(default_factory=list)
+    started: float = 0.0
     seconds: float = 0.0
 
     def start(self, cluster) -> None:
