@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -316,19 +317,25 @@ def test_activation_formula_matches_saved_tensors_of_a_bf16_forward():
     batch["pixel_values"] = batch["pixel_values"].bfloat16()
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weights |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    saved: dict[int, int] = {}
+    packed: list[weakref.ref] = []
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
+        if tensor.untyped_storage().data_ptr() not in weights:
+            packed.append(weakref.ref(tensor))  # the graph holds the tensor itself: alive while backward needs it
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model_loss_sum(model, batch)
+        loss_sum, _ = model_loss_sum(model, batch)
+    # Count each storage the graph still holds once the forward is done. A tensor saved by a node whose output
+    # never reaches the loss (the routing's group selection) is freed during the forward, and its memory may be
+    # handed to a later tensor: keyed by address alone, the count would vary from run to run.
+    held = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (r() for r in packed) if t is not None
+    }
+    assert loss_sum.requires_grad and len(held) > 200
     estimate = activation_bytes(hf_config, batch["input_ids"].numel(), len(batch["pixel_values"]), 2)
     saved_estimate = estimate.total - estimate.loss_peak * 2 // 3  # forward keeps the log-probs, not their grads
-    assert sum(saved.values()) == pytest.approx(saved_estimate, rel=0.01)
+    assert sum(held.values()) == saved_estimate
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -234,12 +234,15 @@ P = image patches (M = P / merge^2 merged image tokens); b = bytes of param_dtyp
                           input), fp32 log-sum-exp per head: a fused kernel (flash / sdpa is_causal) without an
                           s x s mask or repeated kv heads
   dense MLP             s x b (h + 4 I)           input, gate, up, act(gate), act(gate) x up
-  MoE                   s x (4h + 9E + 12k + 28 + b (h + 4 I_s)) + s k x (b (2h + 4 I_e) + 28)
-                          router: fp32 input copy, logits/scores (E), top-k ids and weights; shared expert (I_s);
-                          per (token, expert) pair: gathered input, gate_up, act, product, expert output, ids
+  MoE                   s x (4h + 4E + 12k + 4 + b (h + 4 I_s)) + s k x (b (2h + 4 I_e) + 20) + 4 h E
+                          router: fp32 input copy, sigmoid scores (E), top-k ids and weights, their normaliser,
+                          the fp32 copy of the router weight; shared expert (I_s); per (token, expert) pair:
+                          gathered input, gate_up, act, product, expert output, token and expert ids, weight
+                          (group-limited selection and its masks feed only top-k ids: nothing of it is saved)
   decoder layer         2 RMSNorm + attention + (dense MLP | MoE)
-  text other            s x (8 + 2 b r + (4h + 4 + b h) + b h + 8)   ids, rotary cos/sin (r = rotary dim), final
-                          norm, lm_head input, labels
+  text other            s x (8 + 2 b r + (4h + 4 + b h) + b h + 8 + 1) + 12
+                          ids, rotary cos/sin (r = rotary dim), final norm, lm_head input, labels (their shifted
+                          storage holds s + 1), the image-token mask (with images), the loss normaliser
   vision tower          P x (b 1176' + 2 (4v + 4 + b v) + 8 + 8 d_v + b v)
                           + depth x P x (2 (4v + 4 + b v) + b 8v + 4 a_v + b (v + 4 o))
                           + M x (b (4o + 4 I_v) + 2b) + fp32 position table
@@ -341,7 +344,8 @@ def activation_bytes(
         t.n_routed_experts,
     )
     shared = expert * t.n_shared_experts
-    router = 9 * experts + 16 * t.n_group + 8 * t.topk_group + 12 * k + 4  # logits, scores, group top-k, ids, weights
+    router = 4 * experts + 12 * k + 4  # sigmoid scores, top-k ids and weights, their normaliser
+    router_weight = 4 * h * experts if b < FP32 else 0  # its fp32 copy (an fp32 weight is used as it is)
     dense_layer = Saved(
         inputs=s * h * b,
         attention=attention,
@@ -352,16 +356,19 @@ def activation_bytes(
         inputs=s * h * b,
         attention=attention,
         # router; shared gate, up; per (token, expert) pair: gate_up and expert output (grouped GEMMs)
-        matmul=attention_mm + s * router + s * b * 2 * shared + s * k * b * (2 * expert + h) + 4 * experts,
-        # fp32 router input; shared input, act, product; per pair: gathered input, act, product, ids and weight
+        matmul=attention_mm + s * router + s * b * 2 * shared + s * k * b * (2 * expert + h),
+        # fp32 router input and weight; shared input, act, product; per pair: gathered input, act, product, token
+        # and expert ids, weight
         elementwise=norms
         + attention_rest
+        + router_weight
         + s * (fp32_copy + b * (h + 2 * shared))
-        + s * k * (b * (h + 2 * expert) + 28),
+        + s * k * (b * (h + 2 * expert) + 20),
     )
     n_dense = min(t.first_k_dense_replace, t.num_hidden_layers)
     rotary = int(d * t.rope_parameters.get("partial_rotary_factor", 1.0))
-    text_other = s * (8 + 2 * b * rotary + b * h + 8) + _norm(s, h, b)
+    image_mask = s if image_patches else 0  # bool, where the image embeddings are scattered in
+    text_other = s * (8 + 2 * b * rotary + b * h + 8) + 8 + image_mask + FP32 + _norm(s, h, b)
 
     p, hv, out = image_patches, v.hidden_size, v.out_hidden_size
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
