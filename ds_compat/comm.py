@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from glm45v_fsdp.errors import install_user_error_hook
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.runtime import DeviceLayer, detect_dist_env, select_device
 from glm45v_fsdp.runtime import init_distributed as runtime_init_distributed
@@ -71,6 +72,7 @@ def init_distributed(
     `auto_mpi_discovery`, `verbose` and `config` have no further effect; `distributed_port` is the MASTER_PORT
     used when the environment has none (Slurm / Open MPI, several processes).
     """
+    install_user_error_hook("ds_compat")  # a UserError the script does not catch: one paragraph, exit 2
     if dist_init_required is None:
         dist_init_required = not dist.is_initialized()
     if dist_init_required is False:

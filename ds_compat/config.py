@@ -43,12 +43,11 @@ from glm45v_fsdp.config import (
     to_dict,
     validate_layout,
 )
-from glm45v_fsdp.errors import ConfigError, UserError
+from glm45v_fsdp.errors import EXIT_USER_ERROR, ConfigError, UserError
 
 TRAIN_BATCH = "train_batch_size"
 MICRO_BATCH = "train_micro_batch_size_per_gpu"
 ACCUMULATION = "gradient_accumulation_steps"
-EXIT_USER_ERROR = 2
 
 # --------------------------------------------------------------------------------------------------------------
 # Loading

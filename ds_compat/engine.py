@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import io
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ from ds_compat.utils import z3_leaf_module
 from ds_compat.zero.partition_parameters import gather_full, is_partitioned
 from glm45v_fsdp.checkpoint.dcp import LoadAdvice, load_checkpoint, save_model_and_optimizer
 from glm45v_fsdp.checkpoint.deepspeed import load_into, read_deepspeed, tag_dir_of
+from glm45v_fsdp.checkpoint.safe_load import load_pt, unsafe_globals
 from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.errors import UserError
@@ -665,12 +667,13 @@ class DeepSpeedEngine(nn.Module):
             save_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         tag = str(f"global_step{self.global_steps}" if tag is None else tag)
+        engine_state = self._plain_engine_state(client_state or {})
         self._check_tag(tag)
         path = save_dir / tag
         with self._sharded_state_dicts():
             save_model_and_optimizer(path, self.module, self.optimizer)
         if self.global_rank == 0:
-            torch.save(self._engine_state(client_state or {}), path / ENGINE_STATE_FILE)
+            (path / ENGINE_STATE_FILE).write_bytes(engine_state)
             if save_latest:
                 (save_dir / LATEST_FILE).write_text(tag)
         dist.barrier()
@@ -686,6 +689,24 @@ class DeepSpeedEngine(nn.Module):
             yield
         finally:
             setattr(self.module, WHOLE_STATE_DICT, whole)
+
+    def _plain_engine_state(self, client_state: dict) -> bytes:
+        """engine_state.pt's bytes; a client_state that would not load weights-only (it names a class or function
+        beyond plain values and tensors) is refused on every rank before anything is written."""
+        buffer = io.BytesIO()
+        torch.save(self._engine_state(client_state), buffer)
+        foreign = unsafe_globals(buffer)
+        problems: list[Any] = [None] * self.world_size
+        dist.all_gather_object(problems, ", ".join(foreign) or None)
+        named = next((problem for problem in problems if problem), None)
+        if named:
+            raise UserError(
+                f"save_checkpoint(client_state=...) holds objects pickled as {named}: a checkpoint is loaded "
+                "weights-only (a file that names a class or function could run code), so this one could not be "
+                "loaded back. Pass plain values: dicts, lists, tuples, strings, numbers, booleans, None and tensors "
+                "(e.g. vars(args) for an argparse.Namespace). Nothing was written."
+            )
+        return buffer.getvalue()
 
     def _check_tag(self, tag: str) -> None:
         tags: list[Any] = [None] * self.world_size
@@ -735,10 +756,10 @@ class DeepSpeedEngine(nn.Module):
                 "written by DeepSpeed (no mp_rank_00_model_states.pt / zero_pp_rank_0_mp_rank_00_model_states.pt). "
                 "Pass the save_dir given to save_checkpoint and one of its tags."
             )
+        state = load_pt(state_file)  # before the weights: a refused file leaves the engine as it was
         with self._sharded_state_dicts():
             optimizer = self.optimizer if with_optimizer else None
             load_checkpoint(self.module, optimizer, path, strict=load_module_strict, advice=ENGINE_LOAD)
-        state = torch.load(state_file, map_location="cpu", weights_only=False)
         if not load_module_only:
             if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
                 self.lr_scheduler.load_state_dict(state["lr_scheduler"])

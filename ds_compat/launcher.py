@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ds_compat.alias import BACKENDS, ENV_BACKEND, SHIM_DIR, backend_from_env
 from ds_compat.hostfile import Resources, check_filter_flags, read_hostfile, resolve_world
-from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.errors import EXIT_USER_ERROR, UserError
 
 log = logging.getLogger("ds-fsdp")
 
@@ -53,7 +53,6 @@ UNSUPPORTED = {
     "bind_core_list": "bind cores in a --no_python wrapper (numactl), or set CPU_AFFINITY_CONF on Ascend",
     "save_pid": "ds-fsdp execs the launcher, so its own pid is the launcher's",
 }
-EXIT_USER_ERROR = 2
 DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"  # deepspeed.launcher.runner's name; DS_ENV_FILE overrides it
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

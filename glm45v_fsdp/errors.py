@@ -4,7 +4,11 @@ Entry points catch it, print its message as one paragraph (`report_user_error`) 
 traceback. Anything else that escapes is a bug and keeps its traceback.
 """
 
+import os
 import sys
+from types import TracebackType
+
+EXIT_USER_ERROR = 2
 
 
 class UserError(ValueError):
@@ -31,3 +35,25 @@ def report_user_error(program: str, error: UserError) -> None:
     if isinstance(error, ConfigError) and launcher_rank() != 0:
         return
     print(f"{program}: error: {error}", file=sys.stderr)
+
+
+def install_user_error_hook(program: str) -> None:
+    """For scripts we do not own (a DeepSpeed-API training script): an uncaught UserError is reported as
+    `report_user_error` does and ends the process with EXIT_USER_ERROR, without a traceback; any other exception
+    goes on to the hook that was installed before. Installed once per process."""
+    previous = sys.excepthook
+    if getattr(previous, "user_error_program", None) is not None:
+        return
+
+    def hook(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+        if not isinstance(error, UserError):
+            previous(kind, error, trace)
+            return
+        sys.stderr = sys.__stderr__  # torch's init_process_group hook buffers stderr until the hook returns
+        report_user_error(program, error)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_USER_ERROR)  # an uncaught exception would end with status 1
+
+    hook.user_error_program = program  # type: ignore[attr-defined]
+    sys.excepthook = hook

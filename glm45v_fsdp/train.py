@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from glm45v_fsdp.errors import Preempted, TrainingStopped, UserError, report_user_error
+from glm45v_fsdp.errors import EXIT_USER_ERROR, Preempted, TrainingStopped, UserError, report_user_error
 
 if TYPE_CHECKING:
     from torch import nn
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from glm45v_fsdp.builders import TrainingData
     from glm45v_fsdp.config import Config
 
-EXIT_USER_ERROR = 2
 EXIT_STOPPED = 3
 
 

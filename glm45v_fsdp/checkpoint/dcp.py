@@ -32,9 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -45,8 +43,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from glm45v_fsdp.checkpoint.deepspeed import locate, tag_dir_of
-from glm45v_fsdp.checkpoint.hf import detect_format, holds_weights
+from glm45v_fsdp.checkpoint.hf import detect_format, holds_weights, refuse_pickle_weights
 from glm45v_fsdp.checkpoint.layout import KeyDiff, compare_keys, describe_diff
+from glm45v_fsdp.checkpoint.safe_load import UnsafeCheckpointFile, load_dcp, load_pt, metadata_of, read_whole_dcp
 from glm45v_fsdp.checkpoint.state import RNG_DIR, TRAINER_STATE_FILE, rng_file
 from glm45v_fsdp.config import Config, TrainingConfig
 from glm45v_fsdp.errors import UserError
@@ -93,7 +92,9 @@ def _damage(checkpoint: Path) -> str | None:
         if not (checkpoint / required).is_file():
             return f"{checkpoint / required} is missing"
     try:
-        metadata = FileSystemReader(str(checkpoint)).read_metadata()
+        metadata = metadata_of(checkpoint)
+    except UnsafeCheckpointFile:
+        raise
     except Exception as error:  # any unpickling failure: the file is not DCP metadata
         return f"{checkpoint / METADATA_FILE} is not readable DCP metadata ({type(error).__name__})"
     needed: dict[str, int] = {}
@@ -107,7 +108,9 @@ def _damage(checkpoint: Path) -> str | None:
             return f"{file} is truncated ({file.stat().st_size} bytes, the metadata needs {size})"
     for file in [checkpoint / TRAINER_STATE_FILE, *sorted((checkpoint / RNG_DIR).glob("*.pt"))]:
         try:
-            torch.load(file, map_location="cpu", weights_only=True)
+            load_pt(file)
+        except UnsafeCheckpointFile:
+            raise
         except Exception as error:
             return f"{file} cannot be read ({type(error).__name__})"
     return None
@@ -209,6 +212,7 @@ def load_model_weights(config: Config) -> tuple[TrainingConfig, str | None]:
     training, model_dir = config.training, config.model.name_or_path
     if training.load is not None or model_dir is None or not holds_weights(model_dir):
         return training, None
+    refuse_pickle_weights(Path(model_dir).expanduser(), "Config key 'model.name_or_path'")
     loaded = dataclasses.replace(training, load=model_dir, load_format="hf")
     return loaded, (
         f"weights: training.load is unset and model.name_or_path ({model_dir}) holds safetensors weights: "
@@ -250,7 +254,7 @@ def check_save_targets(training: TrainingConfig) -> None:
 
 def _checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     """FQN -> global shape of the model tensors in the checkpoint, from its metadata alone."""
-    metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    metadata = metadata_of(checkpoint).state_dict_metadata
     prefix = f"{MODEL_KEY}."
     return {
         key[len(prefix) :]: tuple(item.size)
@@ -306,7 +310,7 @@ def load_checkpoint(
         optim_state = get_optimizer_state_dict(model, optimizer)  # creates the (zero) state DCP loads into
         state[OPTIM_KEY] = {**optim_state, "state": {k: v for k, v in optim_state["state"].items() if k not in skipped}}
     try:
-        dcp.load(state, checkpoint_id=checkpoint, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+        load_dcp(state, checkpoint, partial=not strict)
     except CheckpointException as error:
         cause = next(iter(error.failures.values()))[0]
         raise UserError(f"{source} could not be loaded: {cause}. {advice.optimizer_fix}") from None
@@ -320,7 +324,7 @@ def load_checkpoint(
 def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) model tensors of a DCP checkpoint, read offline without a process group, on CPU, in
     their saved dtype; keys are the model's FQNs."""
-    metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    metadata = metadata_of(checkpoint).state_dict_metadata
     prefix = f"{MODEL_KEY}."
     state = {
         key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
@@ -331,21 +335,14 @@ def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"DCP checkpoint '{checkpoint}' holds no model tensors (no '{prefix}*' keys).")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+        load_dcp(state, checkpoint, no_dist=True)
     return {key[len(prefix) :]: value for key, value in state.items()}
 
 
 def read_full_checkpoint(checkpoint: Path) -> dict[str, Any]:
     """Everything a DCP checkpoint holds ({"model": ..., "optim": ...}), full tensors on CPU, read offline without a
     model or a process group (as torch's dcp_to_torch_save reads it)."""
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict[str, Any] = {}
-    _load_state_dict(
-        state, storage_reader=FileSystemReader(checkpoint), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-    )
-    return state
+    return read_whole_dcp(checkpoint)
 
 
 # --------------------------------------------------------------------------------------------------------------

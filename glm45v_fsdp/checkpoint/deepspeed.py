@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from glm45v_fsdp.checkpoint.layout import checkpoint_pieces, compare_keys, describe_diff, detect_expert_layout
+from glm45v_fsdp.checkpoint.safe_load import UnsafeCheckpointFile, load_pt
 from glm45v_fsdp.errors import UserError
 
 LATEST_FILE = "latest"
@@ -81,8 +82,9 @@ _STAND_INS = [
 def load_file(path: Path) -> dict[str, Any]:
     """One DeepSpeed checkpoint file, tensors on the CPU, DeepSpeed's classes read as stand-ins."""
     try:
-        with torch.serialization.safe_globals(_STAND_INS):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return load_pt(path, stand_ins=_STAND_INS)
+    except UnsafeCheckpointFile:
+        raise
     except Exception as error:  # torch raises UnpicklingError or RuntimeError for a file it cannot read
         raise UserError(
             f"Cannot read the DeepSpeed checkpoint file '{path}': {str(error).splitlines()[0]}. If the file is "

@@ -34,6 +34,24 @@ from glm45v_fsdp.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
 DCP_METADATA = ".metadata"
+PICKLE_WEIGHTS = ("pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+def pickle_weight_files(directory: Path) -> list[Path]:
+    """The PyTorch-pickle weight files of an HF directory (pytorch_model*.bin and their index)."""
+    return sorted(path for pattern in PICKLE_WEIGHTS for path in directory.glob(pattern))
+
+
+def refuse_pickle_weights(directory: Path, what: str = "Config key 'training.load'") -> None:
+    """An HF directory whose weights are pickles only: a UserError with the one-off conversion command."""
+    found = pickle_weight_files(directory)
+    if found and not any(directory.glob("*.safetensors")):
+        raise UserError(
+            f"{what} = '{directory}' holds its weights as PyTorch pickles ({', '.join(p.name for p in found[:3])}), "
+            f"which this backend does not load: unpickling a file from someone else can run code. Convert them once "
+            f"to safetensors (read weights-only, nothing in them runs): python -m glm45v_fsdp.tools.convert "
+            f"bin-to-hf {directory} <new directory>, and use the new directory instead."
+        )
 
 
 def detect_format(path: str | Path, what: str = "Config key 'training.load'") -> str:
@@ -53,6 +71,7 @@ def detect_format(path: str | Path, what: str = "Config key 'training.load'") ->
         (directory / INDEX_FILE).is_file()
         or (directory / "config.json").is_file()
         or any(directory.glob("*.safetensors"))
+        or pickle_weight_files(directory)
     ):
         return "hf"
     scratch = ", or set training.load=null to initialise from scratch" if "training.load" in what else ""
@@ -63,9 +82,14 @@ def detect_format(path: str | Path, what: str = "Config key 'training.load'") ->
 
 
 def holds_weights(path: str | Path) -> bool:
-    """Whether a model directory holds HF weights (*.safetensors or their index), not only config and tokenizer."""
+    """Whether a model directory holds HF weights (*.safetensors, their index, or pickles that the load refuses), not
+    only config and tokenizer."""
     directory = Path(path).expanduser()
-    return directory.is_dir() and ((directory / INDEX_FILE).is_file() or any(directory.glob("*.safetensors")))
+    return directory.is_dir() and (
+        (directory / INDEX_FILE).is_file()
+        or any(directory.glob("*.safetensors"))
+        or bool(pickle_weight_files(directory))
+    )
 
 
 def _subdirs(directory: Path) -> Iterator[Path]:
@@ -128,6 +152,7 @@ def checkpoint_files(directory: str | Path) -> tuple[Path, dict[str, Path]]:
                 f"not exist ({', '.join(absent[:5])}). Copy the complete checkpoint."
             )
         return index, files
+    refuse_pickle_weights(directory)
     singles = sorted(directory.glob("*.safetensors"))
     if len(singles) != 1:
         found = "no *.safetensors file" if not singles else f"{len(singles)} *.safetensors files but no {INDEX_FILE}"

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from glm45v_fsdp.checkpoint.safe_load import load_pt
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.runtime import DeviceLayer
 
@@ -27,7 +28,7 @@ def rng_file(checkpoint: Path, rank: int) -> Path:
 
 
 def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    return torch.load(checkpoint / TRAINER_STATE_FILE, weights_only=True)
+    return load_pt(checkpoint / TRAINER_STATE_FILE)
 
 
 def capture_rng(device: DeviceLayer) -> dict[str, Any]:
@@ -72,7 +73,7 @@ def restore_rng(checkpoint: Path, rank: int, device: DeviceLayer) -> bool:
             rank,
         )
         return False
-    set_rng(torch.load(path, weights_only=True), device)
+    set_rng(load_pt(path), device)
     return True
 
 

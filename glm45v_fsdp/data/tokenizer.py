@@ -60,7 +60,7 @@ def load_tokenizer(model_path: str | None) -> transformers.PreTrainedTokenizerBa
             f"{', '.join(TOKENIZER_FILES)} is there. Copy the tokenizer files of the model into that directory."
         )
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise UserError(
             f"The tokenizer in '{model_path}' (model.name_or_path) cannot be loaded: {error}. Check that the "

@@ -15,6 +15,7 @@ from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextExperts
 
 from glm45v_fsdp.config import ModelConfig, closest_keys
 from glm45v_fsdp.errors import ConfigError, UserError
+from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.model.loss import Glm4vMoeForTraining
 from glm45v_fsdp.model.moe import GroupedExperts
 from glm45v_fsdp.model.presets import PRESETS
@@ -47,6 +48,14 @@ def _read_config_dir(name_or_path: str) -> dict:
             f"Model config '{path}' (model.name_or_path) has model_type {model_type!r}; this backend trains only "
             f"'{MODEL_TYPE}' (Glm4vMoeForConditionalGeneration, e.g. GLM-4.5V); point model.name_or_path at such a "
             f"model."
+        )
+    remote = {key: data.pop(key) for key in ("auto_map", "custom_pipelines") if key in data}
+    if remote:
+        get_logger().warning(
+            "model config: %s names remote code (%s); it is ignored: this backend builds its own "
+            "Glm4vMoeForTraining and never imports code from a model directory",
+            path,
+            ", ".join(f"{key}: {value}" for key, value in remote.items()),
         )
     return data
 

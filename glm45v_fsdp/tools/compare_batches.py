@@ -16,13 +16,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.errors import EXIT_USER_ERROR, UserError
 
 if TYPE_CHECKING:  # torch (and glm45v_fsdp.data) are imported where used: --help and usage errors answer at once
     import torch
 
 EXIT_DIFFERENT = 1
-EXIT_USER_ERROR = 2
 # Names of the dims of the [sample, token] keys and of position_ids [row, sample, token]; others use plain indices.
 DIM_NAMES = {
     "input_ids": ("sample", "token"),
@@ -54,8 +53,10 @@ def dump_files(path: Path) -> dict[str, Path]:
 def load_batch(path: Path) -> dict[str, torch.Tensor]:
     import torch
 
+    from glm45v_fsdp.checkpoint.safe_load import load_pt
+
     try:
-        batch = torch.load(path, map_location="cpu", weights_only=True)
+        batch = load_pt(path)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
         raise UserError(f"'{path}' cannot be read as a batch dump: {error}. Re-create it or remove it.") from None
     if not isinstance(batch, dict) or not all(isinstance(v, torch.Tensor) for v in batch.values()):

@@ -4,7 +4,9 @@ command line; each command here takes its argparse namespace and returns the exi
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import shutil
 import socket
 from collections import Counter
 from collections.abc import Iterator
@@ -16,16 +18,25 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
+from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from glm45v_fsdp.checkpoint.dcp import MODEL_KEY, OPTIM_KEY, find_checkpoint, read_full_checkpoint
 from glm45v_fsdp.checkpoint.deepspeed import describe, load_into, read_deepspeed, tag_dir_of
 from glm45v_fsdp.checkpoint.deepspeed_write import FullState, write_deepspeed
-from glm45v_fsdp.checkpoint.hf import DCP_METADATA, checkpoint_files, detect_format, load_hf_weights, read_headers
+from glm45v_fsdp.checkpoint.hf import (
+    DCP_METADATA,
+    INDEX_FILE,
+    checkpoint_files,
+    detect_format,
+    load_hf_weights,
+    pickle_weight_files,
+    read_headers,
+)
 from glm45v_fsdp.checkpoint.hf_export import export_hf
 from glm45v_fsdp.checkpoint.layout import Shape, check_keys, describe_diff, detect_expert_layout, summarize_keys
+from glm45v_fsdp.checkpoint.safe_load import UnsafeCheckpointFile, load_dcp, load_pt, metadata_of
 from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE, TRAINER_STATE_FILE, read_trainer_state
 from glm45v_fsdp.config import Config, config_from_dict, load_config
 from glm45v_fsdp.data import load_image_processor, load_tokenizer
@@ -48,7 +59,9 @@ def pick_checkpoint(path: Path, what: str) -> Path:
 def dcp_entries(checkpoint: Path) -> dict[str, tuple[Shape, str]]:
     """Key -> (shape, dtype) of every tensor in a DCP checkpoint, from its metadata alone."""
     try:
-        metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        metadata = metadata_of(checkpoint).state_dict_metadata
+    except UnsafeCheckpointFile:
+        raise
     except Exception as error:  # a truncated or foreign .metadata fails in pickle, torch or the file system
         raise UserError(
             f"DCP checkpoint '{checkpoint}': its {DCP_METADATA} file cannot be read ({error!r}); the checkpoint is "
@@ -238,7 +251,7 @@ def dcp_to_hf(args: argparse.Namespace) -> int:
                 f"dcp-to-hf CKPT = '{checkpoint}' does not fit the model built from {origin}: {describe_diff(diff)} "
                 f"Pass --config with the model settings the checkpoint was trained with."
             )
-        dcp.load({MODEL_KEY: model.state_dict()}, checkpoint_id=str(checkpoint))
+        load_dcp({MODEL_KEY: model.state_dict()}, checkpoint)
         _export(model, out, hf_config, config, args.dtype)
     print(f"dcp-to-hf: {checkpoint} -> {out} (model from {origin})")
     return 0
@@ -294,7 +307,7 @@ def _run_state(checkpoint: Path) -> dict[str, Any]:
     """The counters, schedule, ds_config and client state of one of our checkpoints in DeepSpeed's terms: from the
     ds_compat engine's engine_state.pt or the trainer's trainer_state.pt."""
     if (checkpoint / ENGINE_STATE_FILE).is_file():
-        engine = torch.load(checkpoint / ENGINE_STATE_FILE, map_location="cpu", weights_only=False)
+        engine = load_pt(checkpoint / ENGINE_STATE_FILE)
         schedule = engine.get("lr_scheduler")
         if schedule is not None and "steps" in schedule:  # the engine's RecipeSchedule: steps taken
             schedule = {"last_batch_iteration": schedule["steps"] - 1}
@@ -368,5 +381,49 @@ def hf_to_dcp(args: argparse.Namespace) -> int:
     print(
         f"hf-to-dcp: {source} ({report.expert_layout} experts, {report.tensors_read} tensors) -> {out} "
         f"(model from {origin})"
+    )
+    return 0
+
+
+_NOT_COPIED = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".py")  # pickles, and remote code we never run
+
+
+def bin_to_hf(args: argparse.Namespace) -> int:
+    """An HF directory whose weights are pytorch_model*.bin pickles -> the same directory with safetensors weights,
+    each .bin read weights-only (tensors and containers; a file naming any other callable is refused)."""
+    source = Path(args.hf).expanduser()
+    bins = [path for path in pickle_weight_files(source) if path.suffix == ".bin"] if source.is_dir() else []
+    if not bins:
+        raise UserError(
+            f"bin-to-hf HF = '{source}' holds no pytorch_model*.bin files. Point it at a Hugging Face directory with "
+            f"PyTorch-pickle weights; a directory with *.safetensors needs no conversion."
+        )
+    out = Path(args.out).expanduser()
+    _fresh_output(out, "bin-to-hf OUT")
+    shards: list[tuple[str, dict[str, torch.Tensor]]] = []
+    for number, path in enumerate(bins, start=1):
+        state = load_pt(path)
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise UserError(f"bin-to-hf: '{path}' is not a state dict (a dict of tensors). Nothing was written.")
+        name = "model.safetensors" if len(bins) == 1 else f"model-{number:05d}-of-{len(bins):05d}.safetensors"
+        shards.append((name, {key: value.detach().contiguous().clone() for key, value in state.items()}))
+    out.mkdir(parents=True, exist_ok=True)
+    for name, tensors in shards:
+        save_file(tensors, out / name, metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for _, tensors in shards for t in tensors.values())},
+            "weight_map": {key: name for name, tensors in shards for key in tensors},
+        }
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    skipped = []
+    for path in sorted(source.iterdir()):
+        if path.is_file() and path.suffix not in _NOT_COPIED and path.name != "pytorch_model.bin.index.json":
+            shutil.copy2(path, out / path.name)
+        elif path.is_file() and path not in bins:
+            skipped.append(path.name)
+    left = f"; not copied: {', '.join(skipped)}" if skipped else ""
+    print(
+        f"bin-to-hf: {source} ({len(bins)} .bin file(s), read weights-only) -> {out} ({len(shards)} safetensors){left}"
     )
     return 0

@@ -9,6 +9,8 @@
   ds-to-hf DS_DIR OUT [--config C]   a DeepSpeed checkpoint (ZeRO 0-3, any world size; its fp32 master weights) -> HF
                                      safetensors; ds-to-dcp DS_DIR OUT: -> a weights-only DCP checkpoint. To keep
                                      the optimizer and the step, point training.load at the DeepSpeed directory.
+  bin-to-hf HF OUT                   an HF directory whose weights are pytorch_model*.bin pickles -> safetensors,
+                                     each read weights-only (the only way this backend reads a .bin).
   dcp-to-ds CKPT OUT --zero-stage N --world-size W   one of our checkpoints -> DeepSpeed's layout for ZeRO stage N
                                      on W ranks (checkpoint/deepspeed_write.py): DeepSpeed resumes it.
 
@@ -45,6 +47,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.add_argument("out", help="new DCP checkpoint directory")
     sub.add_argument("--config", help=config_help)
     sub.set_defaults(run="hf_to_dcp")
+    sub = commands.add_parser("bin-to-hf", help="HF directory with pytorch_model*.bin -> safetensors (weights-only)")
+    sub.add_argument("hf", help="an HF model directory whose weights are pytorch_model*.bin files")
+    sub.add_argument("out", help="new HF model directory (safetensors, the other files copied)")
+    sub.set_defaults(run="bin_to_hf")
     for name, run, what in (
         ("ds-to-hf", "ds_to_hf", "HF safetensors (per-expert layout)"),
         ("ds-to-dcp", "ds_to_dcp", "a weights-only DCP checkpoint (training.load starts from it at step 0)"),

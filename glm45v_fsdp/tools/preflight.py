@@ -16,9 +16,7 @@ import argparse
 import json
 import sys
 
-from glm45v_fsdp.errors import UserError
-
-EXIT_USER_ERROR = 2
+from glm45v_fsdp.errors import EXIT_USER_ERROR, UserError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
