@@ -629,3 +629,92 @@ def test_a_lost_node_ends_the_job_on_every_node_within_a_minute(node_lost, launc
     # a line of rank 0 (on node0) names the node or the rank that was lost
     lost = f"node{FAULTS[fault]}"
     assert re.search(rf"rank0\] [^\n]*({lost}|rank 1 |rank\(s\) 1)", log), log[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torchrun's own restarts across nodes (section 6 of docs/multinode.md): `--rdzv_backend c10d --max-restarts 1`
+# and training.resume=auto, one rank per node on node0 + node1, a checkpoint every RESTART_SAVE steps. Two jobs at
+# once: node 1's rank is killed (its torchrun agent lives on and restarts it with node 0's), and node 1's every
+# process is killed and its torchrun started again (a crashed node that came back), which needs each agent's own
+# store in torch 2.13 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, docs/multinode.md). Both continue from the last
+# checkpoint and train like the straight run on one host.
+RESTART_STEPS, RESTART_SAVE, RESTART_KILL_AFTER = 16, 4, 6
+RESTART_TRAIN = [*PARITY, f"training.train_iters={RESTART_STEPS}", f"training.save_interval={RESTART_SAVE}",
+                 "training.resume=auto", "training.log_interval=1"]  # fmt: skip
+RESTART_CASES = {"rank killed": {}, "node restarted": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
+
+
+def elastic_command(folder: Path, port: int) -> list[str]:
+    train = [f"training.output_dir={folder / 'run'}", f"training.save={folder / 'ckpt'}", "training.progress_bar=false"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=node0:{port}", f"--rdzv_id={folder.name}", "--max-restarts=1", "-m", "glm45v_fsdp.train",
+            *RESTART_TRAIN, *train]  # fmt: skip
+
+
+def worker_pids(cluster, node: int, folder: Path) -> list[int]:
+    """The trainer processes (not the torchrun agent) of the job in `folder` on `node`."""
+    pids = []
+    for pid in cluster.pids(node):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(folder).encode() in b" ".join(argv) and b"torch.distributed.run" not in argv:
+            pids.append(pid)
+    return pids
+
+
+@pytest.fixture(scope="module")
+def elastic(cluster, tmp_path_factory) -> dict[str, dict]:
+    from conftest import train
+
+    root = tmp_path_factory.mktemp("elastic")
+    jobs = {}
+    for name, extra in RESTART_CASES.items():
+        folder = root / name.replace(" ", "_")
+        folder.mkdir()
+        command = elastic_command(folder, next(_ports))
+        job = Launch(name, folder, [(0, command), (1, command)], node_env(cluster, **extra))
+        job.start(cluster)
+        jobs[name] = job
+    deadline, faulted = time.time() + 600, set()
+    while len(faulted) < len(jobs) and time.time() < deadline:
+        for name, job in jobs.items():
+            assert not job.finished(), (name, job.codes, job.log[-3000:])
+            if name not in faulted and steps_done(job) >= RESTART_KILL_AFTER:
+                victims = worker_pids(cluster, 1, job.folder)
+                if name == "node restarted":
+                    victims = [pid for pid in job_processes(cluster, job.folder) if pid in cluster.pids(1)]
+                for pid in victims:
+                    os.kill(pid, signal.SIGKILL)
+                if name == "node restarted":  # the node is back: its torchrun is started again, as before
+                    job.processes[1].wait(10)
+                    log = (job.folder / "restarted.node1.log").open("w")
+                    job.processes.append(cluster.popen(1, job.commands[1][1], env=job.env, cwd=REPO, stdout=log,
+                                                       stderr=subprocess.STDOUT))  # fmt: skip
+                faulted.add(name)
+        time.sleep(0.3)
+    straight = train(root / "straight", [*RESTART_TRAIN, f"training.save={root / 'straight_ckpt'}"], nproc=2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    for job in jobs.values():
+        for process in job.processes:
+            try:
+                process.wait(max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+    reference = [r["loss"] for r in read_metrics(root / "straight")]
+    return {name: {"job": job, "reference": reference} for name, job in jobs.items()}
+
+
+@pytest.mark.parametrize("case", list(RESTART_CASES))
+def test_torchrun_restarts_across_nodes_resume_like_the_straight_run(elastic, case):
+    job, reference = elastic[case]["job"], elastic[case]["reference"]
+    codes = job.codes if case == "rank killed" else [job.codes[0], job.codes[2]]  # node 1's first torchrun was killed
+    assert codes == [0, 0], (job.codes, job.log[-4000:])
+    resumed = re.findall(r"training\.resume=auto: continuing from \S+/step_(\d+)", job.log)
+    assert resumed and int(resumed[-1]) >= RESTART_SAVE, job.log[-4000:]
+    records = read_metrics(job.folder / "run")
+    assert [r["step"] for r in records] == list(range(1, RESTART_STEPS + 1))  # each step once
+    assert relative_error([r["loss"] for r in records], reference) <= 1e-6
+    shared_store_note = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in job.log
+    assert shared_store_note == (case == "rank killed"), job.log[-3000:]

@@ -3,6 +3,7 @@ mesh (1 rank and 4 gloo ranks), seeding, deterministic mode and the peak-memory 
 
 import os
 import random
+import time
 import types
 
 import numpy as np
@@ -658,3 +659,37 @@ def test_a_failed_collective_that_names_a_peer_address_is_named_by_node(monkeypa
     )
     assert topology.lost_peer("Read error [10.214.16.11]:1: Connection reset by peer") is None  # this node
     assert topology.lost_peer("Read error [10.214.16.1234]:1") is None and topology.lost_peer("no address") is None
+
+
+def test_an_attempt_is_named_alike_on_every_rank_and_never_by_a_dead_attempts_keys():
+    """torchrun's store outlives a restarted job: the dead attempt left its token and its echoes there (and a rank
+    that reads the store before the new rank 0 does sees that token first); every rank of the new attempt still
+    agrees on the new token, which differs from the old one."""
+    import threading
+    from datetime import timedelta
+
+    from glm45v_fsdp.runtime.attempt import TOKEN_KEY, attempt_prefix
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    timeout = timedelta(seconds=30)
+    server.set(TOKEN_KEY, "deadbeef")  # the dead attempt's token and echoes
+    for rank in (1, 2):
+        server.set(f"glm45v/deadbeef/ready/{rank}", "old")
+        server.set(f"glm45v/deadbeef/echo/{rank}", "old")
+    prefixes: dict[int, str] = {}
+
+    def join(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False)
+        prefixes[rank] = attempt_prefix(client, rank, 3, timeout)
+
+    late = [threading.Thread(target=join, args=(rank,)) for rank in (1, 2)]
+    for thread in late:
+        thread.start()
+    time.sleep(1.0)  # ranks 1 and 2 have read the dead attempt's token by now
+    prefixes[0] = attempt_prefix(server, 0, 3, timeout)
+    for thread in late:
+        thread.join(60)
+    assert len(prefixes) == 3 and len(set(prefixes.values())) == 1, prefixes
+    assert prefixes[0] != "glm45v/deadbeef"
+    assert attempt_prefix(server, 0, 1, timeout) != prefixes[0]  # the next attempt gets a key space of its own

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.runtime.attempt import attempt_prefix, shared_store_restart_note
 from glm45v_fsdp.runtime.device import DeviceLayer
 from glm45v_fsdp.runtime.network import configure_interfaces
 from glm45v_fsdp.runtime.watchdog import PEER_TIMEOUT_S, current_watchdog, start_watchdog
@@ -339,10 +340,8 @@ def init_distributed(
         wait_for_rendezvous(env, port, network)
     try:
         store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size, timeout=timeout))
-        # One key space per attempt: torchrun keeps its store across --max-restarts attempts, and a restarted group
-        # must not read the dead attempt's keys (gloo's peer addresses: "connectFullMesh failed ... Connection
-        # refused"; the watchdog's failure report).
-        attempt = f"glm45v/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        # one key space per attempt: torchrun's store outlives a restarted job's ranks (runtime/attempt.py)
+        attempt = attempt_prefix(store, env.rank, env.world_size, timeout)
         store = dist.PrefixStore(attempt, store)
         dist.init_process_group(
             backend=device.backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
@@ -361,7 +360,8 @@ def init_distributed(
         # the watchdog thread gets a client connection of its own: the group's store object is the main thread's
         client = dist.TCPStore(env.master_addr, port, is_master=False, timeout=timeout)
         start_watchdog(dist.PrefixStore(attempt, client), env.rank, env.world_size, peer_timeout_s)
-    return network
+    note = shared_store_restart_note(os.environ, spans_nodes=env.local_world_size < env.world_size)
+    return network if note is None else f"{network}; {note}"
 
 
 def shutdown(finished: bool = False) -> None:
