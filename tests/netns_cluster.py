@@ -50,9 +50,12 @@ def _subnets_in_use() -> set[ipaddress.IPv4Network]:
 class NetnsCluster:
     """`start()` brings up `nodes` nodes (sshd on each), `stop()` tears them down."""
 
-    def __init__(self, root: Path, nodes: int = 2):
+    def __init__(self, root: Path, nodes: int = 2, sysctls: dict[str, str] | None = None):
+        """`sysctls`: per-node kernel settings of the nodes' network stacks (each namespace has its own), e.g.
+        {"net.ipv4.tcp_retries2": "5"}, as a cluster's operators set them."""
         assert nodes >= 2, "a cluster has at least two nodes"
         self.root = root
+        self.sysctls = dict(sysctls or {})
         self.count = nodes
         token = f"{os.getpid() % 100000:05d}"
         self.bridge = f"g45b{token}"
@@ -94,6 +97,9 @@ class NetnsCluster:
             _ip("-n", ns, "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+            for key, value in self.sysctls.items():
+                setting = "/proc/sys/" + key.replace(".", "/")  # the namespace's own, through its /proc/sys
+                _ip("netns", "exec", ns, "/bin/sh", "-c", f"echo {value} > {setting}")
             etc = Path("/etc/netns") / ns
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(hosts_file)
