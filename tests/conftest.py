@@ -24,12 +24,19 @@ REPO = Path(__file__).resolve().parents[1]
 # ~/.cache/torch_extensions that every other DeepSpeed on the machine shares: another version's build there crashed
 # the reference runs. The suite gets a directory of its own (DeepSpeed's CPU fused_adam is built there once per
 # session); the shm all-reduce op is never built (tests/ds_reference_runner.py), which test_hf_integration checks.
-EXTENSIONS_DIR = Path(tempfile.mkdtemp(prefix="glm45v-test-torch-extensions-"))
+# A process the session starts that imports this module again (a torch.multiprocessing spawn child unpickling a
+# test module's worker) uses the session's directory instead of making one that nothing removes.
+_SESSION_DIR_VARIABLE = "GLM45V_TEST_EXTENSIONS_DIR"
+_OWNS_EXTENSIONS_DIR = _SESSION_DIR_VARIABLE not in os.environ
+if _OWNS_EXTENSIONS_DIR:
+    os.environ[_SESSION_DIR_VARIABLE] = tempfile.mkdtemp(prefix="glm45v-test-torch-extensions-")
+EXTENSIONS_DIR = Path(os.environ[_SESSION_DIR_VARIABLE])
 os.environ["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS_DIR)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    shutil.rmtree(EXTENSIONS_DIR, ignore_errors=True)
+    if _OWNS_EXTENSIONS_DIR:
+        shutil.rmtree(EXTENSIONS_DIR, ignore_errors=True)
 
 
 # Identical global batches, fp32, every memory switch off: the reference run of the parity tests.
