@@ -326,6 +326,10 @@ def test_load_pt_names_the_global_and_tells_a_damaged_file_apart(tmp_path):
     with pytest.raises(UnsafeCheckpointFile, match=r"evil\.pt.*the global posix\.system"):
         load_pt(tmp_path / "evil.pt")
     assert isinstance(UnsafeCheckpointFile("x"), UserError)
+    # torch's legacy (pre-zip) format holds several pickles: the one naming the global is found after the header's
+    torch.save({"state": Canary(canary)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(UnsafeCheckpointFile, match=r"legacy\.pt.*the global posix\.system"):
+        load_pt(tmp_path / "legacy.pt")
     (tmp_path / "damaged.pt").write_bytes(b"\x80\x02 not a pickle")
     with pytest.raises(pickle.UnpicklingError):
         load_pt(tmp_path / "damaged.pt")

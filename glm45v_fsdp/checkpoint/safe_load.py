@@ -230,32 +230,44 @@ def _python3_name(name: str) -> str:
 
 
 def _globals_named(data: bytes) -> list[str]:
-    """GLOBAL / INST / STACK_GLOBAL names in the first pickle of `data`; STACK_GLOBAL's module and name are the
-    last two strings pushed (directly or from the memo)."""
+    """GLOBAL / INST / STACK_GLOBAL names in the pickles at the start of `data` (one for a zip archive's data.pkl;
+    torch's legacy format holds several, then raw storage bytes); STACK_GLOBAL's module and name are the last two
+    strings pushed (directly or from the memo)."""
+    names: list[str] = []
+    stream = io.BytesIO(data)
+    while stream.tell() < len(data):
+        start = stream.tell()
+        try:
+            names += _globals_of_one_pickle(stream)
+        except (ValueError, EOFError):  # damage, or the bytes after the last pickle
+            break
+        if stream.tell() == start:
+            break
+    return list(dict.fromkeys(names))
+
+
+def _globals_of_one_pickle(stream: io.BytesIO) -> list[str]:
     names: list[str] = []
     strings: list[str] = []
     memo: dict[Any, Any] = {}
     top: Any = None  # the last object pushed, when it is a string
-    try:
-        for opcode, argument, _ in pickletools.genops(data):
-            kind = opcode.name
-            if kind == "MEMOIZE":
-                memo[len(memo)] = top
-            elif kind in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[argument] = top
-            elif kind in ("GET", "BINGET", "LONG_BINGET"):
-                top = memo.get(argument)
-                if isinstance(top, str):
-                    strings.append(top)
-            elif "UNICODE" in kind or kind in ("STRING", "BINSTRING", "SHORT_BINSTRING"):
-                top = str(argument)
+    for opcode, argument, _ in pickletools.genops(stream):
+        kind = opcode.name
+        if kind == "MEMOIZE":
+            memo[len(memo)] = top
+        elif kind in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[argument] = top
+        elif kind in ("GET", "BINGET", "LONG_BINGET"):
+            top = memo.get(argument)
+            if isinstance(top, str):
                 strings.append(top)
-            else:
-                if kind in ("GLOBAL", "INST"):
-                    names.append(str(argument).replace(" ", "."))
-                elif kind == "STACK_GLOBAL" and len(strings) >= 2:
-                    names.append(f"{strings[-2]}.{strings[-1]}")
-                top = None
-    except (ValueError, EOFError):  # a damaged stream: what it named before the damage
-        pass
-    return list(dict.fromkeys(names))
+        elif "UNICODE" in kind or kind in ("STRING", "BINSTRING", "SHORT_BINSTRING"):
+            top = str(argument)
+            strings.append(top)
+        else:
+            if kind in ("GLOBAL", "INST"):
+                names.append(str(argument).replace(" ", "."))
+            elif kind == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            top = None
+    return names

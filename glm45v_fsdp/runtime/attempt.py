@@ -32,6 +32,8 @@ def attempt_prefix(store: Any, rank: int, world_size: int, timeout: timedelta) -
         for peer in range(1, world_size):
             ready = f"glm45v/{token}/ready/{peer}"
             store.wait([ready], timeout)
+            if store.get(TOKEN_KEY).decode() != token:  # a newer attempt started: this rank 0 is a leftover
+                raise DistStoreError(f"rank 0: a newer attempt of this job took over the rendezvous store ({token})")
             store.set(f"glm45v/{token}/echo/{peer}", store.get(ready))
         return f"glm45v/{token}"
     nonce = uuid.uuid4().hex
@@ -45,13 +47,13 @@ def attempt_prefix(store: Any, rank: int, world_size: int, timeout: timedelta) -
             store.wait([echo], ECHO_WAIT)
             if store.get(echo).decode() == nonce:
                 return f"glm45v/{token}"
+            time.sleep(ECHO_WAIT.total_seconds())  # a dead attempt's echo: wait for this attempt's rank 0
         except DistStoreError:  # no echo yet: a dead attempt's token, or rank 0 is still serving the others
             pass
         if time.monotonic() > deadline:
             raise DistStoreError(
                 f"rank {rank}: rank 0 did not answer on the rendezvous store within {timeout.total_seconds():.0f} s"
             )
-        time.sleep(0.1)
 
 
 def shared_store_restart_note(environ: Mapping[str, str], spans_nodes: bool) -> str | None:
