@@ -9,6 +9,7 @@ import sys
 from types import TracebackType
 
 EXIT_USER_ERROR = 2
+_user_error_hook_installed = False
 
 
 class UserError(ValueError):
@@ -41,9 +42,11 @@ def install_user_error_hook(program: str) -> None:
     """For scripts we do not own (a DeepSpeed-API training script): an uncaught UserError is reported as
     `report_user_error` does and ends the process with EXIT_USER_ERROR, without a traceback; any other exception
     goes on to the hook that was installed before. Installed once per process."""
-    previous = sys.excepthook
-    if getattr(previous, "user_error_program", None) is not None:
+    global _user_error_hook_installed
+    if _user_error_hook_installed:
         return
+    _user_error_hook_installed = True
+    previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
         if not isinstance(error, UserError):
@@ -55,5 +58,4 @@ def install_user_error_hook(program: str) -> None:
         sys.stderr.flush()
         os._exit(EXIT_USER_ERROR)  # an uncaught exception would end with status 1
 
-    hook.user_error_program = program  # type: ignore[attr-defined]
     sys.excepthook = hook

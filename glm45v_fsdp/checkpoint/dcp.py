@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from glm45v_fsdp.checkpoint.deepspeed import locate, tag_dir_of
 from glm45v_fsdp.checkpoint.hf import detect_format, holds_weights, refuse_pickle_weights
 from glm45v_fsdp.checkpoint.layout import KeyDiff, compare_keys, describe_diff
-from glm45v_fsdp.checkpoint.safe_load import UnsafeCheckpointFile, load_dcp, load_pt, metadata_of, read_whole_dcp
+from glm45v_fsdp.checkpoint.safe_load import UnsafeCheckpointFile, load_dcp, load_pt, metadata_of
 from glm45v_fsdp.checkpoint.state import RNG_DIR, TRAINER_STATE_FILE, rng_file
 from glm45v_fsdp.config import Config, TrainingConfig
 from glm45v_fsdp.errors import UserError
@@ -337,12 +337,6 @@ def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         load_dcp(state, checkpoint, no_dist=True)
     return {key[len(prefix) :]: value for key, value in state.items()}
-
-
-def read_full_checkpoint(checkpoint: Path) -> dict[str, Any]:
-    """Everything a DCP checkpoint holds ({"model": ..., "optim": ...}), full tensors on CPU, read offline without a
-    model or a process group (as torch's dcp_to_torch_save reads it)."""
-    return read_whole_dcp(checkpoint)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import _compat_pickle
 import argparse
+import contextlib
 import io
 import pickle
 import pickletools
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -157,33 +159,34 @@ def load_dcp(state: dict[str, Any], checkpoint: Path | str, partial: bool = Fals
     raises UnsafeCheckpointFile (on every rank: DCP gathers each rank's failure)."""
     planner = SafeLoadPlanner(allow_partial_load=partial)
     planner.checkpoint = checkpoint
-    try:
+    with _refusal_unwrapped():
         dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)), planner=planner, no_dist=no_dist)
-    except CheckpointException as error:
-        _raise_refusal_in(error)
-        raise
 
 
 def read_whole_dcp(checkpoint: Path | str) -> dict[str, Any]:
-    """Everything a DCP checkpoint holds, rebuilt from its metadata alone (no model, no process group)."""
+    """Everything a DCP checkpoint holds ({"model": ..., "optim": ...}), full tensors on CPU, rebuilt from its
+    metadata alone (no model, no process group), as torch's dcp_to_torch_save reads it."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     planner = _SafeEmptyStateDictLoadPlanner()
     planner.checkpoint = checkpoint
     state: dict[str, Any] = {}
-    try:
+    with _refusal_unwrapped():
         _load_state_dict(state, storage_reader=SafeFileSystemReader(str(checkpoint)), planner=planner, no_dist=True)
-    except CheckpointException as error:
-        _raise_refusal_in(error)
-        raise
     return state
 
 
-def _raise_refusal_in(error: CheckpointException) -> None:
-    for failure in error.failures.values():
-        cause = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(cause, UnsafeCheckpointFile):
-            raise UnsafeCheckpointFile(str(cause)) from None
+@contextlib.contextmanager
+def _refusal_unwrapped() -> Iterator[None]:
+    """DCP wraps what a rank raised in a CheckpointException: a refusal comes out as itself."""
+    try:
+        yield
+    except CheckpointException as error:
+        for failure in error.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, UnsafeCheckpointFile):
+                raise UnsafeCheckpointFile(str(cause)) from None
+        raise
 
 
 def load_pt(source: Path | str | io.BytesIO, what: str | None = None, stand_ins: list[type] | None = None) -> Any:

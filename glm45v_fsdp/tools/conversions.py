@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from glm45v_fsdp.checkpoint.dcp import MODEL_KEY, OPTIM_KEY, find_checkpoint, read_full_checkpoint
+from glm45v_fsdp.checkpoint.dcp import MODEL_KEY, OPTIM_KEY, find_checkpoint
 from glm45v_fsdp.checkpoint.deepspeed import describe, load_into, read_deepspeed, tag_dir_of
 from glm45v_fsdp.checkpoint.deepspeed_write import FullState, write_deepspeed
 from glm45v_fsdp.checkpoint.hf import (
@@ -36,7 +36,7 @@ from glm45v_fsdp.checkpoint.hf import (
 )
 from glm45v_fsdp.checkpoint.hf_export import export_hf
 from glm45v_fsdp.checkpoint.layout import Shape, check_keys, describe_diff, detect_expert_layout, summarize_keys
-from glm45v_fsdp.checkpoint.safe_load import UnsafeCheckpointFile, load_dcp, load_pt, metadata_of
+from glm45v_fsdp.checkpoint.safe_load import UnsafeCheckpointFile, load_dcp, load_pt, metadata_of, read_whole_dcp
 from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE, TRAINER_STATE_FILE, read_trainer_state
 from glm45v_fsdp.config import Config, config_from_dict, load_config
 from glm45v_fsdp.data import load_image_processor, load_tokenizer
@@ -340,7 +340,7 @@ def dcp_to_ds(args: argparse.Namespace) -> int:
         checkpoint = pick_checkpoint(path, "dcp-to-ds CKPT")
     out = Path(args.out).expanduser()
     _fresh_output(out, "dcp-to-ds OUT")
-    full = read_full_checkpoint(checkpoint)
+    full = read_whole_dcp(checkpoint)
     optim = full.get(OPTIM_KEY)
     if not optim or not optim.get("state"):
         raise UserError(
