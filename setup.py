@@ -49,15 +49,19 @@ setup(
     extras_require={
         # accelerate: the HF Trainer / accelerate tests of the ds-fsdp switch (tests/test_hf_integration.py);
         # mindstudio-probe (import msprobe): Ascend's CPU implementations of fused NPU ops, the independent
-        # reference the tests' stand-in torch_npu is checked against (tests/test_ops.py)
+        # reference the tests' stand-in torch_npu is checked against (tests/test_ops.py); matplotlib: the benchmark
+        # charts (tests/test_chart.py, tests/test_bench.py)
         "test": [
             "pytest>=8,<10",
             "ruff>=0.5",
             "tensorboard>=2.14",
             "accelerate>=1.10,<2",
             "mindstudio-probe>=26.2,<27",
+            "matplotlib>=3.7",
         ],
         "tensorboard": ["tensorboard>=2.14"],
+        # the PNG charts of `python -m glm45v_fsdp.tools.bench` (glm45v_fsdp/tools/chart.py)
+        "bench": ["matplotlib>=3.7"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
         # torch_npu must match the installed torch and CANN; pin it with the version Ascend publishes for it.
         "npu": ["torch_npu"],

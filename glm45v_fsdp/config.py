@@ -250,6 +250,9 @@ class TrainingConfig:
     save_hf: str | None = None
     # Write the first N micro batches of each rank to <output_dir>/batches/rank{R}_micro{K}.pt.
     dump_batches: int = 0
+    # [first, last]: profile these steps with torch.profiler on every rank and write each rank's communication
+    # figures to <output_dir>/profile/rank{R}.json (runtime/profiling.py); null = no profiler.
+    profile_steps: list[int] | None = None
 
 
 @dataclass
@@ -625,6 +628,13 @@ def validate(config: Config) -> None:
     _require(t.save_interval >= 0, "training.save_interval", t.save_interval, ">= 0 (0 = save only at the end)")
     _require(t.save_keep_last >= 0, "training.save_keep_last", t.save_keep_last, ">= 0 (0 = keep all)")
     _require(t.dump_batches >= 0, "training.dump_batches", t.dump_batches, ">= 0")
+    if t.profile_steps is not None:
+        _require(
+            len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.train_iters,
+            "training.profile_steps",
+            t.profile_steps,
+            f"[first, last] with 1 <= first <= last <= training.train_iters ({t.train_iters}), or null",
+        )
     if t.load is None:
         for key in ("load_format", "no_load_optim", "no_load_rng"):
             default = getattr(TrainingConfig, key)

@@ -42,6 +42,7 @@ from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
 from glm45v_fsdp.runtime import MemoryMeter
 from glm45v_fsdp.runtime.faults import Fault
 from glm45v_fsdp.runtime.preemption import EXIT_PREEMPTED, PreemptionWatch
+from glm45v_fsdp.runtime.profiling import StepProfiler
 from glm45v_fsdp.step import OptimizerStep, StepOutcome
 
 Batch = dict[str, torch.Tensor]
@@ -120,6 +121,7 @@ class Trainer:
         self.fault = Fault.from_env()
         self.checkpointer = Checkpointer(training, runtime.env.rank, self.fault) if training.save else None
         self.preemption = PreemptionWatch()
+        self.profiler = StepProfiler(training.profile_steps, self.output_dir, runtime.env.rank, runtime.device.type)
         self.preempted_ranks: list[int] = []  # ranks that got a preemption signal, known to all after a step
         self.dumper = (
             BatchDumper(self.output_dir, runtime.env.rank, training.dump_batches) if training.dump_batches else None
@@ -475,8 +477,10 @@ class Trainer:
     def _loop(self, iterator: Iterator[Batch], bar: tqdm) -> None:
         training = self.config.training
         while self.step < training.train_iters:
+            self.profiler.before_step(self.step + 1)
             start = time.perf_counter()
             record = self.step_once(self._next_micro_batches(iterator), started=start)
+            self.profiler.after_step(self.step)
             bar.update(1)
             if self.runtime.is_main and (self.step % training.log_interval == 0 or self.step == training.train_iters):
                 bar.write(format_line(record, training.train_iters, self.meter.kind), file=sys.stdout)

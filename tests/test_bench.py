@@ -102,12 +102,12 @@ def test_memory_bench_writes_a_consistent_table(tmp_path):
 def test_memory_bench_on_cuda_judges_offload_and_runs_every_process_on_the_device(tmp_path, monkeypatch):
     """The prepared GPU script (--device cuda): every run trains on cuda with the allocator peak, and the offload row
     is judged against its target there (on cpu it is parity only). The runs are faked: no GPU here."""
-    from glm45v_fsdp.tools import bench, bench_memory
+    from glm45v_fsdp.tools import bench, bench_runner
 
     peaks = {"recompute": 1.0, "recompute_offload": 0.7}
     commands = {}
 
-    def fake_execute(name, command, output_dir, timeout, threads=None):
+    def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench memory"):
         commands[name] = command
         record = {
             "step": 1,
@@ -119,7 +119,7 @@ def test_memory_bench_on_cuda_judges_offload_and_runs_every_process_on_the_devic
         }
         return [record, {**record, "step": 2}], 1.0, 1.0
 
-    monkeypatch.setattr(bench_memory, "execute", fake_execute)
+    monkeypatch.setattr(bench_runner, "execute", fake_execute)
     out = tmp_path / "out"
     argv = ["memory", "--device", "cuda", "--tokens", "64", "--steps", "2", "--warmup", "1", "--out", str(out)]
     assert bench.main([*argv, "--switches", "offload"]) == 0
@@ -138,18 +138,18 @@ def test_memory_bench_on_cuda_judges_offload_and_runs_every_process_on_the_devic
 
 def test_memory_bench_ulysses_row_needs_even_ranks(tmp_path, monkeypatch):
     """The CP row runs CP 2 with twice the accumulation on the same ranks; faked runs (no processes)."""
-    from glm45v_fsdp.tools import bench, bench_memory
+    from glm45v_fsdp.tools import bench, bench_memory, bench_runner
 
     commands = {}
 
-    def fake_execute(name, command, output_dir, timeout, threads=None):
+    def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench memory"):
         commands[name] = command
         ranks = next(int(arg.split("=")[1]) for arg in command if arg.startswith("--nproc_per_node="))
         record = {"step": 1, "loss": 2.0, "ms_per_iter": 10.0, "global_batch_size": ranks, "tokens": 64 * ranks}
         record["mem_peak_per_rank_gib"] = [1.0 if name == "recompute" else 0.3 * (4 // ranks)] * ranks
         return [record, {**record, "step": 2}], 1.0, 1.0
 
-    monkeypatch.setattr(bench_memory, "execute", fake_execute)
+    monkeypatch.setattr(bench_runner, "execute", fake_execute)
     argv = ["memory", "--tokens", "64", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "out")]
     assert bench.main([*argv, "--switches", "ulysses"]) == 2  # one rank cannot hold a CP group of 2
     assert commands == {}
@@ -173,7 +173,7 @@ def test_memory_bench_ulysses_row_needs_even_ranks(tmp_path, monkeypatch):
 def test_ep_bench_runs_each_configuration_and_judges_the_rows(tmp_path, monkeypatch):
     """EP1 vs EP2, both dispatchers, balance under skewed and natural routing: the commands each run gets, and the
     figures and judgements the table derives from their records. The runs are faked (no processes)."""
-    from glm45v_fsdp.tools import bench, bench_ep
+    from glm45v_fsdp.tools import bench, bench_runner
 
     ms = {"ep1": 300.0, "ep2": 200.0, "ep2_allgather": 190.0, "skew": 320.0, "skew_balance": 240.0, "balance": 201.0}
     after = {"skew_balance": 1.04}
@@ -202,7 +202,7 @@ def test_ep_bench_runs_each_configuration_and_judges_the_rows(tmp_path, monkeypa
             }
         return [record, {**record, "step": 2}, {**record, "step": 3}], 1.0, 2.0
 
-    monkeypatch.setattr(bench_ep, "execute", fake_execute)
+    monkeypatch.setattr(bench_runner, "execute", fake_execute)
     out = tmp_path / "ep"
     argv = ["ep", "--steps", "3", "--warmup", "1", "--repeats", "1", "--out", str(out)]
     assert bench.main(argv) == 0

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_memory import execute, torchrun_command
+from glm45v_fsdp.tools.bench_runner import errors, execute, torchrun_command, write_report
 from glm45v_fsdp.tools.chart import bar_chart
 
 BACKENDS = ("deepspeed", "ds_compat", "trainer")  # the reference, the engine API door, the trainer door
@@ -111,7 +111,7 @@ def run_trainer(args: argparse.Namespace, initial: Path, run_dir: Path, track_me
 
 
 def _mean_rel_err(ours: list[float], reference: list[float]) -> float:
-    return statistics.fmean(abs(a - b) / (abs(b) + 1e-8) for a, b in zip(ours, reference))
+    return errors(ours, reference)["mean_rel"]
 
 
 def _below(result: dict[str, Any], door: str, goal: float) -> list[str]:
@@ -139,7 +139,7 @@ def row(
     ms = {b: [statistics.median(run["ms"][args.warmup :]) for run in runs[b]] for b in BACKENDS}
     ratios = {door: [ds / ours for ds, ours in zip(ms["deepspeed"], ms[door])] for door in DOORS}
     bare = {b: [one / ours for one, ours in zip(bare_ms, ms[b])] for b in BACKENDS}
-    errors = {door: _mean_rel_err(runs[door][0]["losses"], runs["deepspeed"][0]["losses"]) for door in DOORS}
+    loss_errors = {door: _mean_rel_err(runs[door][0]["losses"], runs["deepspeed"][0]["losses"]) for door in DOORS}
     goal = 1.6 if zero == 3 else 1.0
     result = {
         "zero": zero,
@@ -157,7 +157,7 @@ def row(
         "ddp_ms_per_step": statistics.median(ddp_ms),
         "ddp_bare_rate_ratio": statistics.median(one / ddp for one, ddp in zip(bare_ms, ddp_ms)),
         "peak_mib": {b: max(run["peak_bytes_max"] or 0.0 for run in runs[b]) / 2**20 for b in BACKENDS},
-        "loss_mean_rel_err": errors,
+        "loss_mean_rel_err": loss_errors,
         "target": f"≥ {goal}× DeepSpeed" + (f", ≥ {BARE_GOAL} of the bare loop's rate" if zero in (1, 2) else ""),
     }
     result["below"] = {door: _below(result, door, goal) for door in DOORS}
@@ -322,13 +322,7 @@ def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
             f"OMP_NUM_THREADS per rank: {args.threads}.",
         ],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "deepspeed.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "deepspeed.md").write_text(markdown(report))
-    chart(report, args.out / "deepspeed.png")
-    print(markdown(report))
-    print(f"bench deepspeed: wrote {args.out / 'deepspeed.md'}, {args.out / 'deepspeed.json'} and "
-          f"{args.out / 'deepspeed.png'}")  # fmt: skip
+    write_report(args.out, "deepspeed", report, markdown(report), {"deepspeed.png": lambda path: chart(report, path)})
     return report
 
 

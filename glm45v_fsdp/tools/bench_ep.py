@@ -24,15 +24,25 @@ their weights moved per step, and the loss parity (mean relative error over alig
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_memory import _load1, common_overrides, execute, train_command
+from glm45v_fsdp.tools.bench_memory import common_overrides
+from glm45v_fsdp.tools.bench_runner import (
+    Run,
+    Runner,
+    change_pct,
+    errors,
+    load_range,
+    md_table,
+    rank_peaks,
+    timing,
+    write_report,
+)
 
 PARITY_LIMIT = 1e-5
 MIB = 2**20
@@ -46,30 +56,6 @@ class Row:
     off: str
     on: str
     kind: str  # "ep" (EP1 -> EP n), "dispatcher", "balance_skew", "balance_natural"
-
-
-@dataclass
-class RunFigures:
-    name: str
-    overrides: list[str]
-    ep: int = 1
-    losses: list[float] = field(default_factory=list)
-    ms_timed: list[float] = field(default_factory=list)
-    ms_per_iter: float = 0.0
-    samples_per_s: float = 0.0
-    tokens_per_s: float = 0.0
-    global_batch_size: int = 0
-    mem_peak_max_gib: float = 0.0
-    mem_peak_avg_gib: float = 0.0
-    expert_weights_mib: float = 0.0  # per rank and MoE layer, while the layer runs
-    load: dict[str, float] = field(default_factory=dict)  # ep_load_* medians over steps
-    replicas_per_step: float = 0.0  # mean over the timed steps
-    replica_mib_per_step: float = 0.0
-    balanced_steps: float = 0.0  # fraction of the timed steps in which some layer ran a replica
-    repeat_spread_pct: float = 0.0  # (slowest / fastest repeat's median ms/iter - 1) x 100: the noise floor
-    cpu_s: list[float] = field(default_factory=list)
-    wall_s: list[float] = field(default_factory=list)
-    load_avg: list[list[float]] = field(default_factory=list)
 
 
 def model_overrides(args: argparse.Namespace) -> list[str]:
@@ -129,56 +115,63 @@ def expert_weights_mib(args: argparse.Namespace, ep: int) -> float:
     return args.experts // ep * 3 * args.hidden * args.moe_intermediate * 4 / MIB
 
 
-def summarise(run: RunFigures, repeats: list[list[dict]], warmup: int, args: argparse.Namespace) -> None:
-    first = repeats[0]
-    run.losses = [r["loss"] for r in first]
-    run.global_batch_size = first[-1]["global_batch_size"]
-    timed = [r for records in repeats for r in records if r["step"] > warmup]
-    run.ms_timed = [r["ms_per_iter"] for r in timed]
-    run.ms_per_iter = statistics.median(run.ms_timed)
-    run.samples_per_s = run.global_batch_size * 1000.0 / run.ms_per_iter
-    run.tokens_per_s = statistics.median(r["tokens"] for r in timed) * 1000.0 / run.ms_per_iter
-    ranks = len(first[0]["mem_peak_per_rank_gib"])
-    per_rank = [max(r["mem_peak_per_rank_gib"][i] for records in repeats for r in records) for i in range(ranks)]
-    run.mem_peak_max_gib, run.mem_peak_avg_gib = max(per_rank), statistics.fmean(per_rank)
-    run.expert_weights_mib = expert_weights_mib(args, run.ep)
+def summarise(run: Run, warmup: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration's figures over all its repeats (steps after the warmup): median ms/iter, each rank's peak,
+    the EP load medians, replicas, and the spread between the repeats' medians (the noise floor)."""
+    timed = [r for records in run.repeats for r in records if r["step"] > warmup]
+    speed = timing(timed, stat="median")
+    peaks = rank_peaks(run.repeats)
     keys = [k for k, v in timed[0].items() if k.startswith("ep_load_") and not isinstance(v, list)]
-    run.load = {key: statistics.median(r[key] for r in timed) for key in keys}
-    if "ep_replicas" in timed[0]:
-        run.replicas_per_step = statistics.fmean(r["ep_replicas"] for r in timed)
-        run.replica_mib_per_step = statistics.fmean(r["ep_replica_mib"] for r in timed)
-        run.balanced_steps = sum(r["ep_replicas"] > 0 for r in timed) / len(timed)
-    medians = [statistics.median(r["ms_per_iter"] for r in records if r["step"] > warmup) for records in repeats]
-    run.repeat_spread_pct = (max(medians) / min(medians) - 1.0) * 100.0
+    balanced = "ep_replicas" in timed[0]
+    medians = [statistics.median(r["ms_per_iter"] for r in records if r["step"] > warmup) for records in run.repeats]
+    return {
+        "name": run.name,
+        "overrides": run.overrides,
+        "ep": _ep_of(run.overrides),
+        "losses": [r["loss"] for r in run.records],
+        "ms_timed": [r["ms_per_iter"] for r in timed],
+        "ms_per_iter": speed["ms_per_iter"],
+        "samples_per_s": speed["samples_per_s"],
+        "tokens_per_s": statistics.median(r["tokens"] for r in timed) * 1000.0 / speed["ms_per_iter"],
+        "global_batch_size": run.records[-1]["global_batch_size"],
+        "mem_peak_max_gib": peaks["max"],
+        "mem_peak_avg_gib": peaks["avg"],
+        "expert_weights_mib": expert_weights_mib(args, _ep_of(run.overrides)),
+        "load": {key: statistics.median(r[key] for r in timed) for key in keys},
+        "replicas_per_step": statistics.fmean(r["ep_replicas"] for r in timed) if balanced else 0.0,
+        "replica_mib_per_step": statistics.fmean(r["ep_replica_mib"] for r in timed) if balanced else 0.0,
+        "balanced_steps": sum(r["ep_replicas"] > 0 for r in timed) / len(timed) if balanced else 0.0,
+        "repeat_spread_pct": change_pct(max(medians), min(medians)),
+        "cpu_s": run.cpu_s,
+        "wall_s": run.wall_s,
+        "load_avg": run.load_avg,
+    }
 
 
-def _change(on: float, off: float) -> float:
-    return (on / off - 1.0) * 100.0 if off else float("nan")
-
-
-def compare(row: Row, off: RunFigures, on: RunFigures, args: argparse.Namespace) -> dict[str, Any]:
-    pairs = [(t, r) for t, r in zip(on.losses, off.losses) if t is not None and r is not None]
-    rel = [abs(t - r) / (abs(r) + 1e-8) for t, r in pairs]
+def compare(row: Row, off: dict[str, Any], on: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "label": row.label,
         "kind": row.kind,
-        "off_run": off.name,
-        "on_run": on.name,
-        "loss_mean_rel_err": statistics.fmean(rel) if rel else float("nan"),
-        "ms_per_iter": [off.ms_per_iter, on.ms_per_iter],
-        "samples_per_s": [off.samples_per_s, on.samples_per_s],
-        "tokens_per_s": [off.tokens_per_s, on.tokens_per_s],
-        "throughput_change_pct": _change(on.samples_per_s, off.samples_per_s),
-        "cpu_s_per_run": [statistics.median(off.cpu_s), statistics.median(on.cpu_s)],
-        "peak_max_gib": [off.mem_peak_max_gib, on.mem_peak_max_gib],
-        "peak_avg_gib": [off.mem_peak_avg_gib, on.mem_peak_avg_gib],
-        "expert_weights_mib": [off.expert_weights_mib, on.expert_weights_mib],
-        "load_max_over_mean": [on.load.get("ep_load_max_over_mean_before"), on.load.get("ep_load_max_over_mean_after")],
-        "load_cv": [on.load.get("ep_load_cv_before"), on.load.get("ep_load_cv_after")],
-        "replicas_per_step": on.replicas_per_step,
-        "replica_mib_per_step": on.replica_mib_per_step,
-        "balanced_steps": on.balanced_steps,
-        "noise_pct": max(off.repeat_spread_pct, on.repeat_spread_pct),
+        "off_run": off["name"],
+        "on_run": on["name"],
+        "loss_mean_rel_err": errors(on["losses"], off["losses"])["mean_rel"],
+        "ms_per_iter": [off["ms_per_iter"], on["ms_per_iter"]],
+        "samples_per_s": [off["samples_per_s"], on["samples_per_s"]],
+        "tokens_per_s": [off["tokens_per_s"], on["tokens_per_s"]],
+        "throughput_change_pct": change_pct(on["samples_per_s"], off["samples_per_s"]),
+        "cpu_s_per_run": [statistics.median(off["cpu_s"]), statistics.median(on["cpu_s"])],
+        "peak_max_gib": [off["mem_peak_max_gib"], on["mem_peak_max_gib"]],
+        "peak_avg_gib": [off["mem_peak_avg_gib"], on["mem_peak_avg_gib"]],
+        "expert_weights_mib": [off["expert_weights_mib"], on["expert_weights_mib"]],
+        "load_max_over_mean": [
+            on["load"].get("ep_load_max_over_mean_before"),
+            on["load"].get("ep_load_max_over_mean_after"),
+        ],
+        "load_cv": [on["load"].get("ep_load_cv_before"), on["load"].get("ep_load_cv_after")],
+        "replicas_per_step": on["replicas_per_step"],
+        "replica_mib_per_step": on["replica_mib_per_step"],
+        "balanced_steps": on["balanced_steps"],
+        "noise_pct": max(off["repeat_spread_pct"], on["repeat_spread_pct"]),
     }
     failures = [] if result["loss_mean_rel_err"] <= PARITY_LIMIT else ["loss parity"]
     if row.kind == "ep":
@@ -198,7 +191,7 @@ def compare(row: Row, off: RunFigures, on: RunFigures, args: argparse.Namespace)
             f"no cost: ms/iter at most {allowed:.1f}% above balance off (the larger of "
             f"{args.no_cost_tolerance_pct:g}% and the spread between repeats)"
         )
-        if _change(on.ms_per_iter, off.ms_per_iter) > allowed:
+        if change_pct(on["ms_per_iter"], off["ms_per_iter"]) > allowed:
             failures.append("time")
     else:
         result["target"] = "parity (reported)"
@@ -251,9 +244,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Expert parallelism and EP balance ({report['device']}, {report['ranks']} ranks)",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-        *["| " + " | ".join(_cells(row)) + " |" for row in report["rows"]],
+        *md_table(COLUMNS, [_cells(row) for row in report["rows"]]),
         "",
         *[f"- {note}" for note in report["notes"]],
         "",
@@ -261,8 +252,7 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def notes(args: argparse.Namespace, runs: dict[str, RunFigures]) -> list[str]:
-    loads = [value for run in runs.values() for pair in run.load_avg for value in pair]
+def notes(args: argparse.Namespace, runs: dict[str, Run], figures: dict[str, dict[str, Any]]) -> list[str]:
     cpu = "; ".join(f"{name} {statistics.median(run.cpu_s):.1f} s" for name, run in runs.items())
     return [
         f"model: text hidden {args.hidden}, {args.text_layers} layers (1 dense), {args.experts} routed experts top-"
@@ -271,7 +261,7 @@ def notes(args: argparse.Namespace, runs: dict[str, RunFigures]) -> list[str]:
         f"ms/iter: median of steps {args.warmup + 1}-{args.steps} over {args.repeats} repeat(s) per run "
         f"(round-robin, every other round in reverse order); samples/s = global batch x 1000 / that median. Spread "
         f"between repeats of one run (noise floor): "
-        + "; ".join(f"{name} {run.repeat_spread_pct:.1f}%" for name, run in runs.items())
+        + "; ".join(f"{name} {run['repeat_spread_pct']:.1f}%" for name, run in figures.items())
         + ".",
         f"skewed routing: model.router_skew={args.skew} (a test knob: adds skew x (E-1-e)/(E-1) to expert e's "
         f"selection score); balance: max_dup_experts_num={args.max_dup}, trigger 1.2, target 1.02 (the defaults).",
@@ -282,18 +272,14 @@ def notes(args: argparse.Namespace, runs: dict[str, RunFigures]) -> list[str]:
         "(E/ep experts); the persistent expert state per rank (parameters, gradients, Adam) is 1/(dp_shard x cp) of "
         "the experts with or without EP.",
         f"CPU seconds per run (user + sys of all ranks, start-up included; median over repeats): {cpu}.",
-        "machine load (1-min average) around the runs: "
-        + (f"{min(loads):.2f}–{max(loads):.2f}" if loads else "n/a")
-        + f"; OMP_NUM_THREADS per rank: {args.threads}.",
+        f"machine load (1-min average) around the runs: {load_range(runs.values())}; OMP_NUM_THREADS per rank: "
+        f"{args.threads}.",
     ]
 
 
-def write_outputs(report: dict[str, Any], out: Path) -> None:
+def chart(report: dict[str, Any], path: Path) -> None:
     from glm45v_fsdp.tools.chart import bar_chart
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ep.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "ep.md").write_text(markdown(report))
     groups, chart_notes = [], []
     for row in report["rows"]:
         groups.append((f"{row['label']}: samples/s", row["samples_per_s"]))
@@ -311,31 +297,20 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
         title=f"Expert parallelism and EP balance — {report['device']}, {report['ranks']} ranks",
         value_format="{:.3g}",
         notes=chart_notes,
-        path=out / "ep.png",
+        path=path,
     )
 
 
 def run_ep(args: argparse.Namespace) -> dict[str, Any]:
     features, rows = plan_runs(args)
-    out = args.out
-    runs = {name: RunFigures(name, feats, ep=_ep_of(feats)) for name, feats in features.items() if _used(name, rows)}
-    records: dict[str, list[list[dict]]] = {name: [] for name in runs}
-    total, count = len(runs) * args.repeats, 0
-    for repeat in range(args.repeats):
-        order = list(runs.items()) if repeat % 2 == 0 else list(reversed(runs.items()))  # ABBA: drift cancels
-        for name, run in order:
-            count += 1
-            run_dir = out / "runs" / (name if repeat == 0 else f"{name}.r{repeat + 1}")
-            load_before = _load1()
-            print(f"[{count}/{total}] {name} (repeat {repeat + 1}/{args.repeats}), load {load_before:.2f}", flush=True)
-            command = train_command(args.ranks, run_overrides(args, run.overrides, run_dir))
-            run_records, wall, cpu = execute(name, command, run_dir, args.run_timeout, args.threads, bench="bench ep")
-            records[name].append(run_records)
-            run.load_avg.append([load_before, _load1()])
-            run.wall_s.append(round(wall, 1))
-            run.cpu_s.append(round(cpu, 1))
-    for name, run in runs.items():
-        summarise(run, records[name], args.warmup, args)
+    runner = Runner("bench ep", args.out, args.ranks, args.threads, args.run_timeout)
+    plans = {
+        name: (lambda run_dir, feats=feats: run_overrides(args, feats, run_dir))
+        for name, feats in features.items()
+        if _used(name, rows)
+    }
+    runs = runner.rounds(plans, args.repeats, alternate=True)  # ABBA: drift cancels
+    figures = {name: summarise(run, args.warmup, args) for name, run in runs.items()}
     report = {
         "benchmark": "ep",
         "device": args.device,
@@ -345,13 +320,11 @@ def run_ep(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "threads": args.threads,
         "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
-        "rows": [compare(row, runs[row.off], runs[row.on], args) for row in rows],
-        "notes": notes(args, runs),
-        "runs": {name: asdict(run) for name, run in runs.items()},
+        "rows": [compare(row, figures[row.off], figures[row.on], args) for row in rows],
+        "notes": notes(args, runs, figures),
+        "runs": figures,
     }
-    write_outputs(report, out)
-    print(markdown(report))
-    print(f"bench ep: wrote {out / 'ep.md'}, {out / 'ep.json'} and {out / 'ep.png'}")
+    write_report(args.out, "ep", report, markdown(report), {"ep.png": lambda path: chart(report, path)})
     return report
 
 

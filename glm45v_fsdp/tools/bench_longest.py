@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_memory import RUNS, execute, run_overrides, train_command
+from glm45v_fsdp.tools.bench_memory import RUNS, run_overrides
+from glm45v_fsdp.tools.bench_runner import execute, md_table, train_command, write_report
 
 GIB = 2**30
 # bench memory's CP rows: the Recompute shape with static chunked loss and recompute, CP n at the same global batch
@@ -108,20 +108,28 @@ def report(args: argparse.Namespace, searches: list[Search]) -> dict[str, Any]:
     }
 
 
+def _cells(row: dict[str, Any]) -> list[str]:
+    peaks = ", ".join(f"{tokens}: {peak:.1f}" for tokens, peak in row["peaks_mib"].items())
+    verdict = "pass" if row["pass"] else "FAIL"
+    return [
+        row["layout"],
+        row["cp"],
+        row["longest_tokens"],
+        f"{row['ratio_to_cp1']:.2f}",
+        peaks,
+        row["target"],
+        verdict,
+    ]
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Longest sequence within {result['budget_mib']:g} MiB per rank ({result['device']}, {result['ranks']} "
         "ranks, same global batch)",
         "",
-        "| layout | cp | longest tokens | × CP1 | peak MiB per rank at each length | target | result |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for row in result["rows"]:
-        peaks = ", ".join(f"{tokens}: {peak:.1f}" for tokens, peak in row["peaks_mib"].items())
-        lines.append(
-            f"| {row['layout']} | {row['cp']} | {row['longest_tokens']} | {row['ratio_to_cp1']:.2f} | {peaks} | "
-            f"{row['target']} | {'pass' if row['pass'] else 'FAIL'} |"
-        )
+    columns = ("layout", "cp", "longest tokens", "× CP1", "peak MiB per rank at each length", "target", "result")
+    lines += md_table(columns, [_cells(row) for row in result["rows"]])
     return "\n".join(lines) + "\n"
 
 
@@ -166,11 +174,7 @@ def main_longest(args: argparse.Namespace, argv: list[str], measure=None) -> int
     measure = measure or training_measure(args)
     searches = [search(layout, args, measure) for layout in layouts]
     result = report(args, searches)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "longest.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "longest.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"bench longest: wrote {args.out / 'longest.md'} and {args.out / 'longest.json'}")
+    write_report(args.out, "longest", result, markdown(result))
     failed = [row["layout"] for row in result["rows"] if not row["pass"]]
     if failed:
         print(f"bench longest: below target: {', '.join(failed)}")

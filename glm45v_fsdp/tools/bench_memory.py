@@ -22,21 +22,27 @@ records hold `tokens == ranks x --tokens`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
-import socket
 import statistics
-import subprocess
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.tools.bench_runner import (
+    Run,
+    Runner,
+    change_pct,
+    errors,
+    load_range,
+    md_table,
+    rank_peaks,
+    saving_pct,
+    timing,
+    write_report,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PARITY_LIMIT = 1e-5  # mean relative loss error of an exact transformation in fp32 (docs/memory.md)
 OFFLOAD_KEY = "features.activation_offload.enabled"
 
@@ -159,30 +165,6 @@ def runnable_switches(ranks: int) -> list[str]:
     return [name for name, sw in SWITCHES.items() if all(ranks % RUNS[run].cp == 0 for run in (sw.off, sw.on))]
 
 
-@dataclass
-class RunResult:
-    """One configuration's figures, over all its repeats."""
-
-    name: str
-    overrides: list[str]
-    steps: int = 0
-    losses: list[float] = field(default_factory=list)
-    ms_timed: list[float] = field(default_factory=list)
-    ms_per_iter: float = 0.0
-    samples_per_s: float = 0.0
-    global_batch_size: int = 0
-    tokens_per_step: int = 0
-    mem_peak_max_gib: float = 0.0
-    mem_peak_avg_gib: float = 0.0
-    mem_peak_per_rank_gib: list[float] = field(default_factory=list)
-    offload: dict[str, float] = field(default_factory=dict)
-    load_avg: list[list[float]] = field(default_factory=list)  # 1-min load average before and after each repeat
-    wall_s: list[float] = field(default_factory=list)
-    # user + sys CPU seconds of each repeat's processes (start-up and every step): insensitive to waiting for a busy
-    # CPU, unlike ms/iter, so it tells a switch's compute cost apart from other load on a shared machine.
-    cpu_s: list[float] = field(default_factory=list)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Running
 # ----------------------------------------------------------------------------------------------------------------
@@ -230,92 +212,6 @@ def run_overrides(spec: RunSpec, args: argparse.Namespace, output_dir: Path) -> 
     return common + shape_overrides(spec.shape, args) + list(spec.features) + list(args.overrides)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun_command(ranks: int, module: str, arguments: list[str]) -> list[str]:
-    """`python -m torch.distributed.run` on `ranks` local processes (free rendezvous port) running `-m module`."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={ranks}",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
-        "-m",
-        module,
-        *arguments,
-    ]
-
-
-def train_command(ranks: int, overrides: list[str]) -> list[str]:
-    if ranks == 1:
-        return [sys.executable, "-m", "glm45v_fsdp.train", *overrides]
-    return torchrun_command(ranks, "glm45v_fsdp.train", overrides)
-
-
-def _child_env(threads: int | None) -> dict[str, str]:
-    """This process's environment without a launcher's rank variables (the child is its own job); `threads` sets
-    OMP_NUM_THREADS (torch's intra-op threads per process)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "SLURM_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
-
-
-def _load1() -> float:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return float("nan")
-
-
-def _children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def execute(
-    name: str,
-    command: list[str],
-    output_dir: Path,
-    timeout: float | None,
-    threads: int | None = None,
-    bench: str = "bench memory",
-    records: bool = True,
-) -> tuple[list[dict], float, float]:
-    """Run one training process; its stdout/stderr go to <output_dir>/train.log. Returns its step records (none with
-    records=False: a process that writes its own result), its wall seconds and its CPU seconds (user + sys of it and
-    its children)."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    cpu_started = _children_cpu_s()
-    with (output_dir / "train.log").open("w") as log:
-        log.write(" ".join(command) + "\n\n")
-        log.flush()
-        try:
-            result = subprocess.run(
-                command, cwd=REPO_ROOT, env=_child_env(threads), stdout=log, stderr=subprocess.STDOUT, timeout=timeout
-            )
-        except subprocess.TimeoutExpired:
-            raise UserError(
-                f"{bench}: run '{name}' did not finish within --run-timeout {timeout:.0f} s; see "
-                f"{output_dir / 'train.log'}. Lower --steps or --tokens, or raise --run-timeout."
-            ) from None
-    if result.returncode != 0:
-        tail = (output_dir / "train.log").read_text().splitlines()[-25:]
-        raise UserError(
-            f"{bench}: run '{name}' failed (exit status {result.returncode}); last lines of "
-            f"{output_dir / 'train.log'}:\n" + "\n".join(tail)
-        )
-    lines = (output_dir / "metrics.jsonl").read_text().splitlines() if records else []
-    return [json.loads(line) for line in lines], time.perf_counter() - started, _children_cpu_s() - cpu_started
-
-
 def offload_figures(records: list[dict]) -> dict[str, float]:
     """The median over the timed steps of every `offload_*` figure a step record holds (lists are summed)."""
     keys = sorted({key for record in records for key in record if key.startswith("offload_")})
@@ -328,28 +224,36 @@ def offload_figures(records: list[dict]) -> dict[str, float]:
     return figures
 
 
-def summarise_run(result: RunResult, repeats: list[list[dict]], warmup: int, expected_tokens: int) -> None:
-    first = repeats[0]
-    result.steps = len(first)
-    result.losses = [r["loss"] for r in first]
-    result.global_batch_size = first[-1]["global_batch_size"]
-    result.tokens_per_step = first[-1]["tokens"]
-    bad = sorted({r["tokens"] for records in repeats for r in records} - {expected_tokens})
+def summarise(run: Run, warmup: int, expected_tokens: int) -> dict[str, Any]:
+    """One configuration's figures over all its repeats: ms/iter the median of every repeat's steps after the warmup,
+    each rank's peak over all steps and repeats, the offload figures; the losses of the first repeat."""
+    bad = sorted({r["tokens"] for records in run.repeats for r in records} - {expected_tokens})
     if bad:
         raise UserError(
-            f"bench memory: run '{result.name}' had steps of {bad} tokens, not {expected_tokens} (ranks x --tokens): "
+            f"bench memory: run '{run.name}' had steps of {bad} tokens, not {expected_tokens} (ranks x --tokens): "
             f"a sample came out shorter than data.cutoff_len. Raise the text budget or lower --tokens."
         )
-    timed = [r for records in repeats for r in records if r["step"] > warmup]
-    result.ms_timed = [r["ms_per_iter"] for r in timed]
-    result.ms_per_iter = statistics.median(result.ms_timed)
-    result.samples_per_s = result.global_batch_size * 1000.0 / result.ms_per_iter
-    ranks = len(first[0]["mem_peak_per_rank_gib"])
-    per_rank = [max(r["mem_peak_per_rank_gib"][i] for records in repeats for r in records) for i in range(ranks)]
-    result.mem_peak_per_rank_gib = per_rank
-    result.mem_peak_max_gib = max(per_rank)
-    result.mem_peak_avg_gib = statistics.fmean(per_rank)
-    result.offload = offload_figures(timed)
+    timed = [r for records in run.repeats for r in records if r["step"] > warmup]
+    speed = timing(timed, stat="median")
+    peaks = rank_peaks(run.repeats)
+    return {
+        "name": run.name,
+        "overrides": run.overrides,
+        "steps": len(run.records),
+        "losses": [r["loss"] for r in run.records],
+        "ms_timed": [r["ms_per_iter"] for r in timed],
+        "ms_per_iter": speed["ms_per_iter"],
+        "samples_per_s": speed["samples_per_s"],
+        "global_batch_size": run.records[-1]["global_batch_size"],
+        "tokens_per_step": run.records[-1]["tokens"],
+        "mem_peak_max_gib": peaks["max"],
+        "mem_peak_avg_gib": peaks["avg"],
+        "mem_peak_per_rank_gib": peaks["per_rank"],
+        "offload": offload_figures(timed),
+        "load_avg": run.load_avg,
+        "wall_s": run.wall_s,
+        "cpu_s": run.cpu_s,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -357,40 +261,33 @@ def summarise_run(result: RunResult, repeats: list[list[dict]], warmup: int, exp
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _pct_saving(off: float, on: float) -> float:
-    return (off - on) / off * 100.0 if off > 0 else float("nan")
-
-
-def compare(switch_name: str, off: RunResult, on: RunResult, device: str, ranks: int) -> dict[str, Any]:
+def compare(switch_name: str, off: dict[str, Any], on: dict[str, Any], device: str, ranks: int) -> dict[str, Any]:
     switch = SWITCHES[switch_name]
-    steps = min(len(off.losses), len(on.losses))
-    # A skipped step (non-finite loss) is null in metrics.jsonl: it has no error to compare.
-    pairs = [(t, r) for t, r in zip(on.losses[:steps], off.losses[:steps]) if t is not None and r is not None]
-    if not pairs:
+    loss = errors(on["losses"], off["losses"])
+    if not loss["steps"]:
         raise UserError(f"bench memory: {switch.label}: no step has a finite loss on both sides.")
-    rel = [abs(t - r) / (abs(r) + 1e-8) for t, r in pairs]
     row: dict[str, Any] = {
         "switch": switch_name,
         "label": switch.label,
-        "off_run": off.name,
-        "on_run": on.name,
+        "off_run": off["name"],
+        "on_run": on["name"],
         "ranks": ranks,
-        "loss_mean_rel_err_pct": statistics.fmean(rel) * 100.0,
-        "loss_max_abs_err": max(abs(t - r) for t, r in pairs),
-        "ms_per_iter": [off.ms_per_iter, on.ms_per_iter],
-        "samples_per_s": [off.samples_per_s, on.samples_per_s],
-        "peak_max_gib": [off.mem_peak_max_gib, on.mem_peak_max_gib],
-        "peak_avg_gib": [off.mem_peak_avg_gib, on.mem_peak_avg_gib],
-        "saving_max_pct": _pct_saving(off.mem_peak_max_gib, on.mem_peak_max_gib),
-        "saving_avg_pct": _pct_saving(off.mem_peak_avg_gib, on.mem_peak_avg_gib),
-        "time_cost_pct": (on.ms_per_iter / off.ms_per_iter - 1.0) * 100.0,
-        "throughput_change_pct": (on.samples_per_s / off.samples_per_s - 1.0) * 100.0,
+        "loss_mean_rel_err_pct": loss["mean_rel"] * 100.0,
+        "loss_max_abs_err": loss["max_abs"],
+        "ms_per_iter": [off["ms_per_iter"], on["ms_per_iter"]],
+        "samples_per_s": [off["samples_per_s"], on["samples_per_s"]],
+        "peak_max_gib": [off["mem_peak_max_gib"], on["mem_peak_max_gib"]],
+        "peak_avg_gib": [off["mem_peak_avg_gib"], on["mem_peak_avg_gib"]],
+        "saving_max_pct": saving_pct(off["mem_peak_max_gib"], on["mem_peak_max_gib"]),
+        "saving_avg_pct": saving_pct(off["mem_peak_avg_gib"], on["mem_peak_avg_gib"]),
+        "time_cost_pct": change_pct(on["ms_per_iter"], off["ms_per_iter"]),
+        "throughput_change_pct": change_pct(on["samples_per_s"], off["samples_per_s"]),
         # The cpu caveat of an accelerator-judged switch says nothing about a cuda/npu run.
         "note": "" if switch.accelerator_only_target and device != "cpu" else switch.note,
     }
-    row["cpu_s_per_run"] = [statistics.median(off.cpu_s), statistics.median(on.cpu_s)]
-    if on.offload:
-        row["offload"] = on.offload
+    row["cpu_s_per_run"] = [statistics.median(off["cpu_s"]), statistics.median(on["cpu_s"])]
+    if on["offload"]:
+        row["offload"] = on["offload"]
     judged = switch.min_saving_pct is not None and not (switch.accelerator_only_target and device == "cpu")
     parity_ok = row["loss_mean_rel_err_pct"] <= PARITY_LIMIT * 100.0
     if switch.min_saving_pct is None:
@@ -460,10 +357,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Memory switches: OFF/ON pairs ({report['device']}, {report['ranks']} rank(s))",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
+        *md_table(COLUMNS, [_cells(row) for row in report["rows"]]),
     ]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in report["rows"]]
     lines += ["", *[f"- {line}" for line in report["notes"]]]
     cpu = [
         f"{row['label']} {row['cpu_s_per_run'][0]:.1f} → {row['cpu_s_per_run'][1]:.1f} s "
@@ -485,8 +380,7 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def notes(args: argparse.Namespace, runs: dict[str, RunResult], memory_kind: str) -> list[str]:
-    loads = [value for run in runs.values() for pair in run.load_avg for value in pair]
+def notes(args: argparse.Namespace, runs: dict[str, Run], memory_kind: str) -> list[str]:
     return [
         f"tokens: {args.tokens} per rank per step = one synthetic sample per micro batch (micro batch 1, no "
         f"accumulation), cut at data.cutoff_len={args.tokens}; non-padding positions, {args.images} images of 4 "
@@ -499,9 +393,8 @@ def notes(args: argparse.Namespace, runs: dict[str, RunResult], memory_kind: str
         f"saving = (off - on) / off.",
         f"loss errors: step-aligned over {args.steps} steps of the first repeat, fp32 parameters and reductions; "
         f"parity limit {PARITY_LIMIT * 100:g}% mean relative error.",
-        "machine load (1-min average) around the runs: "
-        + (f"{min(loads):.2f}–{max(loads):.2f}" if loads else "n/a")
-        + f" on {os.cpu_count()} CPU(s); OMP_NUM_THREADS per training process: "
+        f"machine load (1-min average) around the runs: {load_range(runs.values())} on {os.cpu_count()} CPU(s); "
+        "OMP_NUM_THREADS per training process: "
         + (
             str(args.threads)
             if args.threads is not None
@@ -511,12 +404,9 @@ def notes(args: argparse.Namespace, runs: dict[str, RunResult], memory_kind: str
     ]
 
 
-def write_outputs(report: dict[str, Any], out: Path) -> None:
+def chart(report: dict[str, Any], path: Path) -> None:
     from glm45v_fsdp.tools.chart import bar_chart
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "memory.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "memory.md").write_text(markdown(report))
     bar_chart(
         [(row["label"], row["peak_max_gib"]) for row in report["rows"]],
         series=("OFF", "ON"),
@@ -524,7 +414,7 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
         f"{report['ranks']} rank(s), {report['tokens']} tokens",
         value_format="{:.3f}",
         notes=[f"saving {row['saving_max_pct']:+.1f}%\ntime {row['time_cost_pct']:+.1f}%" for row in report["rows"]],
-        path=out / "memory.png",
+        path=path,
     )
 
 
@@ -550,32 +440,13 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.switches:
         switch = SWITCHES[name]
         planned += [run for run in (switch.off, switch.on) if run not in planned]
-    out = args.out
-    runs = {name: RunResult(name, run_overrides(RUNS[name], args, out / "runs" / name)) for name in planned}
-    records: dict[str, list[list[dict]]] = {name: [] for name in planned}
-    total = len(planned) * args.repeats
-    count = 0
-    for repeat in range(args.repeats):
-        for name in planned:
-            count += 1
-            run_dir = out / "runs" / (name if repeat == 0 else f"{name}.r{repeat + 1}")
-            overrides = run_overrides(RUNS[name], args, run_dir)
-            load_before = _load1()
-            print(
-                f"[{count}/{total}] {name} (repeat {repeat + 1}/{args.repeats}), load {load_before:.2f} ...", flush=True
-            )
-            run_records, wall, cpu = execute(
-                name, train_command(args.ranks, overrides), run_dir, args.run_timeout, args.threads
-            )
-            records[name].append(run_records)
-            runs[name].load_avg.append([load_before, _load1()])
-            runs[name].wall_s.append(round(wall, 1))
-            runs[name].cpu_s.append(round(cpu, 1))
+    runner = Runner("bench memory", args.out, args.ranks, args.threads, args.run_timeout)
+    plans = {name: (lambda run_dir, name=name: run_overrides(RUNS[name], args, run_dir)) for name in planned}
+    runs = runner.rounds(plans, args.repeats)
     memory_kind = "allocator peak" if args.device != "cpu" else "live tensor bytes (CPU tracker)"
-    for name in planned:
-        summarise_run(runs[name], records[name], args.warmup, args.ranks * args.tokens)
+    figures = {name: summarise(runs[name], args.warmup, args.ranks * args.tokens) for name in planned}
     rows = [
-        compare(name, runs[SWITCHES[name].off], runs[SWITCHES[name].on], args.device, args.ranks)
+        compare(name, figures[SWITCHES[name].off], figures[SWITCHES[name].on], args.device, args.ranks)
         for name in args.switches
     ]
     report = {
@@ -593,11 +464,9 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
         "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
         "rows": rows,
         "notes": notes(args, runs, memory_kind),
-        "runs": {name: asdict(run) for name, run in runs.items()},
+        "runs": figures,
     }
-    write_outputs(report, out)
-    print(markdown(report))
-    print(f"bench memory: wrote {out / 'memory.md'}, {out / 'memory.json'} and {out / 'memory.png'}")
+    write_report(args.out, "memory", report, markdown(report), {"memory.png": lambda path: chart(report, path)})
     return report
 
 

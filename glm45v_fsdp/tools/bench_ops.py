@@ -19,8 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
@@ -32,6 +30,7 @@ from glm45v_fsdp.ops.kernels import KERNELS
 from glm45v_fsdp.ops.registry import choose_ops
 from glm45v_fsdp.ops.verify import relative_error
 from glm45v_fsdp.runtime.device import import_torch_npu
+from glm45v_fsdp.tools.bench_runner import errors, execute, train_command, write_report
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -161,13 +160,12 @@ def op_rows(device: torch.device, dtype: torch.dtype, tokens: int, repeats: int)
 
 
 def training_rows(args: argparse.Namespace) -> list[dict]:
+    """model.ops=auto against model.ops=reference: one training run each (the runner's), the loss parity and the
+    speed-up of the summary's mean ms/iter."""
     rows = []
     for setting in ("auto", "reference"):
         out = args.out / f"train_{setting}"
-        command = [
-            sys.executable,
-            "-m",
-            "glm45v_fsdp.train",
+        overrides = [
             f"training.device={args.device}",
             f"training.train_iters={args.steps}",
             f"training.output_dir={out}",
@@ -175,19 +173,16 @@ def training_rows(args: argparse.Namespace) -> list[dict]:
             f"model.ops={setting}",
             *args.overrides,
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.run_timeout)
-        (args.out / f"train_{setting}.log").write_text(result.stdout + result.stderr)
-        if result.returncode != 0:
-            raise UserError(
-                f"the model.ops={setting} training run failed ({result.returncode}): {result.stderr[-1500:]}"
-            )
+        threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+        command = train_command(1, overrides)
+        records, _, _ = execute(f"model.ops={setting}", command, out, args.run_timeout, threads, bench="bench ops")
         summary = json.loads((out / "summary.json").read_text())
-        losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-        ops_line = next((line for line in result.stdout.splitlines() if "ops (model.ops=" in line), "")
+        log = (out / "train.log").read_text().splitlines()
+        ops_line = next((line for line in log if "ops (model.ops=" in line), "")
+        losses = [r["loss"] for r in records]
         rows.append({"ops": setting, "ms_per_iter": summary["ms_per_iter_mean"], "losses": losses, "log": ops_line})
     auto, ref = rows
-    auto["loss_error"] = statistics.fmean(abs(a - b) / abs(b) for a, b in zip(auto["losses"], ref["losses"]))
+    auto["loss_error"] = errors(auto["losses"], ref["losses"])["mean_rel"]
     auto["speedup"] = ref["ms_per_iter"] / auto["ms_per_iter"]
     return rows
 
@@ -229,13 +224,6 @@ def main_ops(args: argparse.Namespace, argv: list[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ops = op_rows(device, DTYPES[dtype_name], args.tokens, args.repeats)
     training = training_rows(args) if args.steps > 0 else []
-    report = markdown(ops, training, args.device, dtype_name)
-    (args.out / "ops.md").write_text(report)
-    (args.out / "ops.json").write_text(
-        json.dumps(
-            {"device": args.device, "dtype": dtype_name, "ops": ops, "training": training, "argv": argv}, indent=2
-        )
-        + "\n"
-    )
-    print(report)
+    report = {"device": args.device, "dtype": dtype_name, "ops": ops, "training": training, "argv": argv}
+    write_report(args.out, "ops", report, markdown(ops, training, args.device, dtype_name))
     return 0

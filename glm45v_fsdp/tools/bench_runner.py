@@ -1,0 +1,316 @@
+"""The one runner behind the `bench` subcommands: it starts each training run in its own process, reads the run's
+`metrics.jsonl`, computes the statistics every report uses and writes a report's markdown, JSON and charts.
+
+The subcommands (`bench_memory`, `bench_ep`, `bench_longest`, `bench_deepspeed`, `bench_ops`, `bench_matrix`,
+`bench_parity`) only say which runs to make and which rows to compare; how a run is started, timed and read, what a
+loss error, a percentile, a saving or a throughput change is, and how the outputs are written, lives here once.
+
+Definitions (the reference report's §3.3):
+  - loss mean relative error = mean(|test - ref| / (|ref| + 1e-8)) over step-aligned pairs (a skipped step's null
+    loss has no pair); max relative error and max absolute error over the same pairs;
+  - samples/s = global batch x 1000 / ms/iter, where ms/iter is the window's mean (`stat="mean"`, the reference's)
+    or median (`stat="median"`, the robust figure `bench memory` and `bench ep` report);
+  - throughput change = (on / off - 1) x 100 of samples/s; time cost = (on / off - 1) x 100 of ms/iter;
+  - memory saving = (off - on) / off x 100 (negative: more memory), on the max-rank and the avg-rank peak, where a
+    rank's peak is its largest over all steps (and repeats).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glm45v_fsdp.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+REL_EPS = 1e-8  # the reference's denominator guard
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Starting runs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(ranks: int, module: str, arguments: list[str]) -> list[str]:
+    """`python -m torch.distributed.run` on `ranks` local processes (free rendezvous port) running `-m module`."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ranks}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "-m",
+        module,
+        *arguments,
+    ]
+
+
+def train_command(ranks: int, overrides: list[str]) -> list[str]:
+    """Our trainer with `overrides`: one plain process at 1 rank, torchrun above."""
+    if ranks == 1:
+        return [sys.executable, "-m", "glm45v_fsdp.train", *overrides]
+    return torchrun_command(ranks, "glm45v_fsdp.train", overrides)
+
+
+def child_env(threads: int | None) -> dict[str, str]:
+    """This process's environment without a launcher's rank variables (the child is its own job); `threads` sets
+    OMP_NUM_THREADS (torch's intra-op threads per process)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "SLURM_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def load1() -> float:
+    """The machine's 1-minute load average (nan where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return float("nan")
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def read_records(output_dir: Path) -> list[dict]:
+    """A training run's step records (`metrics.jsonl`, one JSON object per step)."""
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def execute(
+    name: str,
+    command: list[str],
+    output_dir: Path,
+    timeout: float | None,
+    threads: int | None = None,
+    bench: str = "bench",
+    records: bool = True,
+) -> tuple[list[dict], float, float]:
+    """Run one process; its stdout/stderr go to <output_dir>/train.log. Returns its step records (none with
+    records=False: a process that writes its own result), its wall seconds and its CPU seconds (user + sys of it and
+    its children). A failure or a timeout is a UserError naming the run and quoting the log's last lines."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    cpu_started = _children_cpu_s()
+    with (output_dir / "train.log").open("w") as log:
+        log.write(" ".join(command) + "\n\n")
+        log.flush()
+        try:
+            result = subprocess.run(
+                command, cwd=REPO_ROOT, env=child_env(threads), stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            raise UserError(
+                f"{bench}: run '{name}' did not finish within --run-timeout {timeout:.0f} s; see "
+                f"{output_dir / 'train.log'}. Lower --steps or --tokens, or raise --run-timeout."
+            ) from None
+    if result.returncode != 0:
+        tail = (output_dir / "train.log").read_text().splitlines()[-25:]
+        raise UserError(
+            f"{bench}: run '{name}' failed (exit status {result.returncode}); last lines of "
+            f"{output_dir / 'train.log'}:\n" + "\n".join(tail)
+        )
+    found = read_records(output_dir) if records else []
+    return found, time.perf_counter() - started, _children_cpu_s() - cpu_started
+
+
+@dataclass
+class Run:
+    """One configuration's training runs (one per repeat) as they came back: step records, wall and CPU seconds
+    (user + sys of the ranks, start-up included: insensitive to waiting for a busy CPU, unlike ms/iter) and the
+    machine's 1-minute load before and after each."""
+
+    name: str
+    overrides: list[str]
+    repeats: list[list[dict]] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+    load_avg: list[list[float]] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[dict]:
+        """The first repeat's records: what losses are compared on."""
+        return self.repeats[0]
+
+
+class Runner:
+    """Starts training runs for one bench: each in its own process under `out/runs/<name>[.rK]`, on `ranks`
+    processes, with `threads` intra-op threads each and `timeout` seconds allowed."""
+
+    def __init__(self, bench: str, out: Path, ranks: int, threads: int | None, timeout: float | None) -> None:
+        self.bench, self.out, self.ranks, self.threads, self.timeout = bench, out, ranks, threads, timeout
+
+    def run_dir(self, name: str, repeat: int = 0) -> Path:
+        return self.out / "runs" / (name if repeat == 0 else f"{name}.r{repeat + 1}")
+
+    def train(self, run: Run, overrides: list[str], run_dir: Path, ranks: int | None = None, label: str = "") -> None:
+        """One training run of `run` (its overrides already in `overrides`, with training.output_dir=run_dir)."""
+        before = load1()
+        print(f"{label or run.name}, load {before:.2f} ...", flush=True)
+        command = train_command(ranks or self.ranks, overrides)
+        records, wall, cpu = execute(run.name, command, run_dir, self.timeout, self.threads, bench=self.bench)
+        run.repeats.append(records)
+        run.load_avg.append([before, load1()])
+        run.wall_s.append(round(wall, 1))
+        run.cpu_s.append(round(cpu, 1))
+
+    def rounds(
+        self,
+        plans: dict[str, Callable[[Path], list[str]]],
+        repeats: int,
+        alternate: bool = False,
+    ) -> dict[str, Run]:
+        """Every plan `repeats` times, round-robin over the plans so a drift in machine speed hits all alike
+        (`alternate`: every other round in reverse order, ABBA). A plan maps its run directory to its overrides."""
+        runs = {name: Run(name, make(self.run_dir(name))) for name, make in plans.items()}
+        total, count = len(plans) * repeats, 0
+        for repeat in range(repeats):
+            order = list(plans) if not (alternate and repeat % 2) else list(reversed(plans))
+            for name in order:
+                count += 1
+                run_dir = self.run_dir(name, repeat)
+                label = f"[{count}/{total}] {name} (repeat {repeat + 1}/{repeats})"
+                self.train(runs[name], plans[name](run_dir), run_dir, label=label)
+        return runs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Statistics
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def loss_pairs(test: Sequence[float | None], ref: Sequence[float | None]) -> list[tuple[float, float]]:
+    """Step-aligned (test, ref) pairs over the common steps, leaving out steps where either side is null."""
+    return [(t, r) for t, r in zip(test, ref) if t is not None and r is not None]
+
+
+def relative_errors(test: Sequence[float | None], ref: Sequence[float | None]) -> list[float]:
+    """|test - ref| / (|ref| + 1e-8) per step-aligned pair, null steps left out."""
+    return [abs(t - r) / (abs(r) + REL_EPS) for t, r in loss_pairs(test, ref)]
+
+
+def errors(test: Sequence[float | None], ref: Sequence[float | None]) -> dict[str, float]:
+    """Mean and max relative error (fractions, not %) and max absolute error of test against ref."""
+    pairs = loss_pairs(test, ref)
+    if not pairs:
+        nan = float("nan")
+        return {"mean_rel": nan, "max_rel": nan, "max_abs": nan, "steps": 0}
+    rel = [abs(t - r) / (abs(r) + REL_EPS) for t, r in pairs]
+    return {
+        "mean_rel": statistics.fmean(rel),
+        "max_rel": max(rel),
+        "max_abs": max(abs(t - r) for t, r in pairs),
+        "steps": len(pairs),
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between order statistics (numpy's default)."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    position = (len(ordered) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def window(records: Iterable[dict], first: int, last: int | None = None) -> list[dict]:
+    """The records of steps first..last (inclusive; last None = to the end)."""
+    return [r for r in records if r["step"] >= first and (last is None or r["step"] <= last)]
+
+
+def timing(records: Sequence[dict], stat: str = "mean") -> dict[str, float]:
+    """ms/iter (mean or median), P95, P99, samples/s and tokens/s (non-padding) of `records` (a stats window)."""
+    ms = [r["ms_per_iter"] for r in records]
+    centre = statistics.fmean(ms) if stat == "mean" else statistics.median(ms)
+    tokens = statistics.fmean(r["tokens"] for r in records)
+    return {
+        "ms_per_iter": centre,
+        "p95_ms": percentile(ms, 95),
+        "p99_ms": percentile(ms, 99),
+        "samples_per_s": records[-1]["global_batch_size"] * 1000.0 / centre,
+        "tokens_per_s": tokens * 1000.0 / centre,
+        "steps": len(ms),
+    }
+
+
+def rank_peaks(repeats: Sequence[Sequence[dict]]) -> dict[str, Any]:
+    """Each rank's peak over all steps and repeats (GiB), and their max and mean."""
+    ranks = len(repeats[0][0]["mem_peak_per_rank_gib"])
+    per_rank = [max(r["mem_peak_per_rank_gib"][i] for records in repeats for r in records) for i in range(ranks)]
+    return {"per_rank": per_rank, "max": max(per_rank), "avg": statistics.fmean(per_rank)}
+
+
+def change_pct(on: float, off: float) -> float:
+    """(on / off - 1) x 100: a throughput change of samples/s, or a time cost of ms/iter."""
+    return (on / off - 1.0) * 100.0 if off else float("nan")
+
+
+def saving_pct(off: float, on: float) -> float:
+    """(off - on) / off x 100: positive when ON needs less."""
+    return (off - on) / off * 100.0 if off > 0 else float("nan")
+
+
+def median_cpu_s(run: Run) -> float:
+    return statistics.median(run.cpu_s)
+
+
+def load_range(runs: Iterable[Run]) -> str:
+    """The machine's 1-minute load around the runs, as 'low–high'."""
+    loads = [value for run in runs for pair in run.load_avg for value in pair]
+    return f"{min(loads):.2f}–{max(loads):.2f}" if loads else "n/a"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def md_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """A markdown table's lines."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
+def write_report(
+    out: Path,
+    stem: str,
+    report: dict[str, Any],
+    text: str,
+    charts: dict[str, Callable[[Path], Any]] | None = None,
+    bench: str | None = None,
+) -> list[Path]:
+    """<out>/<stem>.json and .md, then each chart (file name -> a function drawing it to that path); prints the
+    markdown and what was written. Returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / f"{stem}.json", out / f"{stem}.md"]
+    written[0].write_text(json.dumps(report, indent=2) + "\n")
+    written[1].write_text(text)
+    for name, draw in (charts or {}).items():
+        draw(out / name)
+        written.append(out / name)
+    print(text)
+    print(f"{bench or 'bench ' + stem}: wrote {', '.join(str(path) for path in written)}")
+    return written
