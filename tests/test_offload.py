@@ -338,3 +338,16 @@ def test_offload_on_off_parity(parity_runs, parity_off, nproc, mode):
         if mode == "combined":  # recompute: the 6 planned modules save their inputs only; the last one's stays
             assert record["offload_tensors"] == 5 and record["offload_stayed_tensors"] == 1
     assert "offload_tensors" not in off[0]
+
+
+def test_offload_with_expert_parallel_keeps_the_expert_shards_and_matches_off(tmp_path):
+    """EP 2 without recompute: the grouped GEMM saves the transposed local shard of each expert stack (a DTensor
+    parameter's to_local(), FSDP2's unsharded storage that the unit frees after forward). Offload must leave it in
+    place: copying it out after the reshard read freed memory and crashed the ranks."""
+    base = PARITY + ["parallel.expert_parallel_size=2"]
+    off, on = train(tmp_path / "off", base, 2), train(tmp_path / "on", base + OFFLOAD, 2)
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert on.returncode == 0, on.stderr[-3000:]
+    off_records, on_records = read_metrics(tmp_path / "off"), read_metrics(tmp_path / "on")
+    assert mean_relative_error([r["loss"] for r in on_records], [r["loss"] for r in off_records]) <= 1e-6
+    assert all(record["offload_tensors"] > 0 for record in on_records)

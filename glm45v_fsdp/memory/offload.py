@@ -51,7 +51,11 @@ from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 from glm45v_fsdp.runtime.device import DeviceLayer
 
 # Single-input autograd nodes through which a tensor still "is" a parameter (a view or a dtype cast of it).
+# `_ToTorchTensorBackward` is DTensor.to_local(): the expert stacks under EP are DTensor parameters whose local
+# shard the grouped GEMM uses (transposed); that shard is FSDP2's unsharded storage, freed by the unit's reshard
+# after forward, so it must stay in place (copying it out later read freed memory: a segfault at EP 2).
 _PARAMETER_VIEW_NODES = {
+    "_ToTorchTensorBackward",
     "TBackward0",
     "TransposeBackward0",
     "PermuteBackward0",
