@@ -1,4 +1,4 @@
-"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory|ep|longest|deepspeed|ops [options] [overrides]`
+"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory|ep|longest|deepspeed|matrix|ops [options] [overrides]`
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -17,6 +17,9 @@ per-rank memory budget, found by doubling (tools/bench_longest.py).
 deepspeed: one DeepSpeed-API script on transformers' tiny GLM-4.5V, the real DeepSpeed against ds_compat, per ZeRO
 stage and dtype, interleaved rounds (tools/bench_deepspeed.py).
 
+matrix: the reference report's switch matrix, 00_baseline ... 10_full_ulysses in the F200 / F500 / P32K groups, with
+presets for this CPU machine and for one 8-device NPU or GPU node (tools/bench_matrix.py).
+
 ops: each accelerator op's fast kernel against its reference (error, speed-up), then a training run with
 model.ops=auto against model.ops=reference (tools/bench_ops.py).
 """
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools import bench_deepspeed, bench_ep, bench_longest, bench_memory
+from glm45v_fsdp.tools import bench_deepspeed, bench_ep, bench_longest, bench_matrix, bench_memory
 
 
 def add_ops_parser(sub: Any) -> None:
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_ep.add_parser(sub)
     bench_longest.add_parser(sub)
     bench_deepspeed.add_parser(sub)
+    bench_matrix.add_parser(sub)
     add_ops_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_ep.main_ep(args, argv)
         if args.benchmark == "longest":
             return bench_longest.main_longest(args, argv)
+        if args.benchmark == "matrix":
+            return bench_matrix.main_matrix(args, argv)
         if args.benchmark == "deepspeed":
             return bench_deepspeed.main_deepspeed(args, argv)
         if args.benchmark == "ops":
