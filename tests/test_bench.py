@@ -276,7 +276,7 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
                 trainer_commands.append(command)
             ms = [999.0] + [speed["trainer"][zero]] * 5
             records = [
-                {"ms_per_iter": m + 5, "data_ms": 5.0, "loss": x, "mem_peak_max_gib": 0.5}
+                {"ms_per_iter": m + 5, "data_ms": 5.0, "loss": x, "grad_norm": 1.0, "mem_peak_max_gib": 0.5}
                 for m, x in zip(ms, losses * 2)
             ]
             return records, 1, 1

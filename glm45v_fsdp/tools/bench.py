@@ -1,4 +1,5 @@
-"""Benchmarks. `python -m glm45v_fsdp.tools.bench overhead|memory|ep|longest|deepspeed|matrix|ops [options] [overrides]`
+"""Benchmarks. `python -m glm45v_fsdp.tools.bench SUBCOMMAND [options] [overrides]`, SUBCOMMAND one of
+overhead|memory|ep|longest|deepspeed|parity|matrix|ops; every one but overhead runs through tools/bench_runner.py.
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -17,6 +18,9 @@ per-rank memory budget, found by doubling (tools/bench_longest.py).
 deepspeed: one DeepSpeed-API script on transformers' tiny GLM-4.5V, the real DeepSpeed against ds_compat, per ZeRO
 stage and dtype, interleaved rounds (tools/bench_deepspeed.py).
 
+parity: the DeepSpeed-API script for 2000 steps on the real DeepSpeed and on this backend's two doors, bf16 and fp32:
+loss and grad-norm errors, throughput ratio, loss-comparison plots (tools/bench_parity.py).
+
 matrix: the reference report's switch matrix, 00_baseline ... 10_full_ulysses in the F200 / F500 / P32K groups, with
 presets for this CPU machine and for one 8-device NPU or GPU node (tools/bench_matrix.py).
 
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools import bench_deepspeed, bench_ep, bench_longest, bench_matrix, bench_memory
+from glm45v_fsdp.tools import bench_deepspeed, bench_ep, bench_longest, bench_matrix, bench_memory, bench_parity
 
 
 def add_ops_parser(sub: Any) -> None:
@@ -68,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_longest.add_parser(sub)
     bench_deepspeed.add_parser(sub)
     bench_matrix.add_parser(sub)
+    bench_parity.add_parser(sub)
     add_ops_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -78,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_ep.main_ep(args, argv)
         if args.benchmark == "longest":
             return bench_longest.main_longest(args, argv)
+        if args.benchmark == "parity":
+            return bench_parity.main_parity(args, argv)
         if args.benchmark == "matrix":
             return bench_matrix.main_matrix(args, argv)
         if args.benchmark == "deepspeed":

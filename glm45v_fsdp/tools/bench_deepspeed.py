@@ -20,7 +20,6 @@ mean relative error against DeepSpeed. `--profile` adds torch.profiler's top ops
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_runner import errors, execute, torchrun_command, write_report
+from glm45v_fsdp.tools.bench_runner import errors, execute, read_json, torchrun_command, write_report
 from glm45v_fsdp.tools.chart import bar_chart
 
 BACKENDS = ("deepspeed", "ds_compat", "trainer")  # the reference, the engine API door, the trainer door
@@ -105,6 +104,7 @@ def run_trainer(args: argparse.Namespace, initial: Path, run_dir: Path, track_me
         "ms": [r["ms_per_iter"] - r["data_ms"] for r in records],
         "ms_with_data": [r["ms_per_iter"] for r in records],
         "losses": [r["loss"] for r in records],
+        "grad_norms": [r["grad_norm"] for r in records],
         "peak_bytes_max": records[-1]["mem_peak_max_gib"] * 2**30,
         "profile": None,
     }
@@ -257,7 +257,7 @@ def _run(args: argparse.Namespace, label: str, command: list[str], run_dir: Path
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"{label}", flush=True)
     execute(label, command, run_dir, args.run_timeout, args.threads, bench="bench deepspeed", records=False)
-    return json.loads((run_dir / "result.json").read_text())
+    return read_json(run_dir / "result.json")
 
 
 def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:

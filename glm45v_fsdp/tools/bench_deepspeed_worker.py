@@ -144,6 +144,12 @@ def alternate(args: argparse.Namespace) -> dict:
     }
 
 
+def _grad_norm(engine) -> float | None:
+    """The engine's global gradient norm of the last step (before clipping), as DeepSpeed reports it."""
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
 def save_initial(args: argparse.Namespace, directory: str) -> None:
     """The initial weights as an HF checkpoint and the ds_config, for the trainer door (`--deepspeed`)."""
     _, _, model = build_model(args, args.world_size)
@@ -207,7 +213,7 @@ def main() -> None:
             assert engine.global_steps == args.first_step, (engine.global_steps, args.first_step)
         step = engine_step(engine)
 
-    ms, losses, profile = [], [], None
+    ms, losses, grad_norms, profile = [], [], [], None
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
     for index, batch in enumerate(batches[: args.steps]):
         if profiler is not None and index == 5:
@@ -218,6 +224,7 @@ def main() -> None:
             comm.all_reduce(mean)
         ms.append((time.perf_counter() - started) * 1000.0)
         losses.append(mean.item() / world)
+        grad_norms.append(_grad_norm(engine) if args.backend in ("deepspeed", "ds_compat") else None)
         if profiler is not None and index == 9:
             profiler.stop()
             profile = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
@@ -235,7 +242,13 @@ def main() -> None:
     if comm is not None:
         comm.all_reduce(peak, op=comm.ReduceOp.MAX)
     if rank == 0:
-        result = {"ms": ms, "losses": losses, "peak_bytes_max": peak.item(), "profile": profile}
+        result = {
+            "ms": ms,
+            "losses": losses,
+            "grad_norms": grad_norms,
+            "peak_bytes_max": peak.item(),
+            "profile": profile,
+        }
         with open(args.out, "w") as handle:
             json.dump(result, handle)
     if comm is not None:

@@ -36,11 +36,11 @@ from glm45v_fsdp.tools.bench_runner import (
     Run,
     Runner,
     change_pct,
-    errors,
     load_range,
     md_table,
-    rank_peaks,
-    timing,
+    memory_pair,
+    pair_figures,
+    run_figures,
     write_report,
 )
 
@@ -119,32 +119,20 @@ def summarise(run: Run, warmup: int, args: argparse.Namespace) -> dict[str, Any]
     """One configuration's figures over all its repeats (steps after the warmup): median ms/iter, each rank's peak,
     the EP load medians, replicas, and the spread between the repeats' medians (the noise floor)."""
     timed = [r for records in run.repeats for r in records if r["step"] > warmup]
-    speed = timing(timed, stat="median")
-    peaks = rank_peaks(run.repeats)
+    figures = run_figures(run, warmup + 1, stat="median")
     keys = [k for k, v in timed[0].items() if k.startswith("ep_load_") and not isinstance(v, list)]
     balanced = "ep_replicas" in timed[0]
     medians = [statistics.median(r["ms_per_iter"] for r in records if r["step"] > warmup) for records in run.repeats]
-    return {
-        "name": run.name,
-        "overrides": run.overrides,
+    return figures | {
         "ep": _ep_of(run.overrides),
-        "losses": [r["loss"] for r in run.records],
-        "ms_timed": [r["ms_per_iter"] for r in timed],
-        "ms_per_iter": speed["ms_per_iter"],
-        "samples_per_s": speed["samples_per_s"],
-        "tokens_per_s": statistics.median(r["tokens"] for r in timed) * 1000.0 / speed["ms_per_iter"],
-        "global_batch_size": run.records[-1]["global_batch_size"],
-        "mem_peak_max_gib": peaks["max"],
-        "mem_peak_avg_gib": peaks["avg"],
+        # tokens/s here: the median step's tokens over the median ms/iter
+        "tokens_per_s": statistics.median(r["tokens"] for r in timed) * 1000.0 / figures["ms_per_iter"],
         "expert_weights_mib": expert_weights_mib(args, _ep_of(run.overrides)),
         "load": {key: statistics.median(r[key] for r in timed) for key in keys},
         "replicas_per_step": statistics.fmean(r["ep_replicas"] for r in timed) if balanced else 0.0,
         "replica_mib_per_step": statistics.fmean(r["ep_replica_mib"] for r in timed) if balanced else 0.0,
         "balanced_steps": sum(r["ep_replicas"] > 0 for r in timed) / len(timed) if balanced else 0.0,
         "repeat_spread_pct": change_pct(max(medians), min(medians)),
-        "cpu_s": run.cpu_s,
-        "wall_s": run.wall_s,
-        "load_avg": run.load_avg,
     }
 
 
@@ -152,16 +140,10 @@ def compare(row: Row, off: dict[str, Any], on: dict[str, Any], args: argparse.Na
     result: dict[str, Any] = {
         "label": row.label,
         "kind": row.kind,
-        "off_run": off["name"],
-        "on_run": on["name"],
-        "loss_mean_rel_err": errors(on["losses"], off["losses"])["mean_rel"],
-        "ms_per_iter": [off["ms_per_iter"], on["ms_per_iter"]],
-        "samples_per_s": [off["samples_per_s"], on["samples_per_s"]],
+        **pair_figures(off, on),
+        **memory_pair(off, on),
         "tokens_per_s": [off["tokens_per_s"], on["tokens_per_s"]],
-        "throughput_change_pct": change_pct(on["samples_per_s"], off["samples_per_s"]),
         "cpu_s_per_run": [statistics.median(off["cpu_s"]), statistics.median(on["cpu_s"])],
-        "peak_max_gib": [off["mem_peak_max_gib"], on["mem_peak_max_gib"]],
-        "peak_avg_gib": [off["mem_peak_avg_gib"], on["mem_peak_avg_gib"]],
         "expert_weights_mib": [off["expert_weights_mib"], on["expert_weights_mib"]],
         "load_max_over_mean": [
             on["load"].get("ep_load_max_over_mean_before"),

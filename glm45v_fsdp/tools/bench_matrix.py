@@ -39,15 +39,14 @@ from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.tools.bench_runner import (
     Run,
     Runner,
-    change_pct,
     errors,
     execute,
     md_table,
-    rank_peaks,
-    saving_pct,
-    timing,
+    memory_pair,
+    pair_figures,
+    read_json,
+    run_figures,
     train_command,
-    window,
     write_report,
 )
 
@@ -435,73 +434,61 @@ def initial_weights(args: argparse.Namespace, runner: Runner) -> Path:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _grad_norms(records: list[dict]) -> list[float | None]:
-    return [r["grad_norm"] for r in records]
-
-
-def config_rows(group: Group, timing_runs: dict[str, list[dict]], stats_from: int) -> dict[str, dict[str, Any]]:
-    """Per configuration: loss and grad-norm errors against its baseline (every step), and the timing of the
-    statistics window (mean ms/iter, P95, P99, samples/s, non-padding tokens/s)."""
+def config_rows(group: Group, timing: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per configuration (its timing run's figures over the statistics window): loss and grad-norm errors against
+    its baseline over every step, mean ms/iter, P95, P99, samples/s, non-padding tokens/s and their per-step series."""
     rows = {}
-    for config, records in timing_runs.items():
-        base = timing_runs.get(group.baseline_of(config))
-        loss = errors([r["loss"] for r in records], [r["loss"] for r in base]) if base else None
-        grad = errors(_grad_norms(records), _grad_norms(base)) if base else None
-        stats = timing(window(records, stats_from))
+    for config, figures in timing.items():
+        base = timing.get(group.baseline_of(config))
+        loss = errors(figures["losses"], base["losses"]) if base else None
+        grad = errors(figures["grad_norms"], base["grad_norms"]) if base else None
         rows[config] = {
             "config": config,
             "baseline": group.baseline_of(config),
             "loss_mean_rel_err": loss["mean_rel"] if loss else None,
             "loss_max_rel_err": loss["max_rel"] if loss else None,
             "grad_norm_mean_rel_err": grad["mean_rel"] if grad else None,
-            **stats,
-            "global_batch_size": records[-1]["global_batch_size"],
-            "losses": [r["loss"] for r in records],
-            "grad_norms": _grad_norms(records),
-            "tokens_per_s_per_step": [r["tokens_per_s"] for r in records],
-            "tokens_per_step": [r["tokens"] for r in records],
+            **{key: figures[key] for key in ("ms_per_iter", "p95_ms", "p99_ms", "samples_per_s", "tokens_per_s")},
+            "global_batch_size": figures["global_batch_size"],
+            "losses": figures["losses"],
+            "grad_norms": figures["grad_norms"],
+            "tokens_per_s_per_step": figures["tokens_per_s_per_step"],
+            "tokens_per_step": figures["tokens_per_step"],
         }
     return rows
 
 
-def pair_rows(
-    group: Group, timing_runs: dict[str, list[dict]], memory_runs: dict[str, list[dict]], stats_from: int
-) -> list[dict[str, Any]]:
-    """Per switch pair present: loss errors (ON against OFF, every step), ms/iter and samples/s over the statistics
-    window, the throughput change, each rank's peak (memory runs) and the saving."""
+def pair_rows(group: Group, timing: dict[str, dict[str, Any]], memory: dict[str, dict[str, Any]]) -> list[dict]:
+    """Per switch pair present: the runner's OFF -> ON figures of the timing runs (loss errors over every step,
+    ms/iter and samples/s over the statistics window, throughput change), parity against the limit, and the peaks
+    and savings of the memory runs."""
     rows = []
     for pair in group.pairs:
-        if pair.off not in timing_runs or pair.on not in timing_runs:
+        if pair.off not in timing or pair.on not in timing:
             continue
-        off, on = timing_runs[pair.off], timing_runs[pair.on]
-        loss = errors([r["loss"] for r in on], [r["loss"] for r in off])
-        off_t, on_t = timing(window(off, stats_from)), timing(window(on, stats_from))
-        row: dict[str, Any] = {
-            "label": pair.label,
-            "off": pair.off,
-            "on": pair.on,
-            "loss_mean_rel_err": loss["mean_rel"],
-            "loss_max_rel_err": loss["max_rel"],
-            "loss_max_abs_err": loss["max_abs"],
-            "ms_per_iter": [off_t["ms_per_iter"], on_t["ms_per_iter"]],
-            "samples_per_s": [off_t["samples_per_s"], on_t["samples_per_s"]],
-            "throughput_change_pct": change_pct(on_t["samples_per_s"], off_t["samples_per_s"]),
-            "parity_pass": loss["mean_rel"] <= PARITY_LIMIT,
-        }
-        if pair.off in memory_runs and pair.on in memory_runs:
-            off_m, on_m = rank_peaks([memory_runs[pair.off]]), rank_peaks([memory_runs[pair.on]])
-            row |= {
-                "peak_max_gib": [off_m["max"], on_m["max"]],
-                "peak_avg_gib": [off_m["avg"], on_m["avg"]],
-                "saving_max_pct": saving_pct(off_m["max"], on_m["max"]),
-                "saving_avg_pct": saving_pct(off_m["avg"], on_m["avg"]),
-            }
+        row = {"label": pair.label, **pair_figures(timing[pair.off], timing[pair.on])}
+        row["parity_pass"] = row["loss_mean_rel_err"] <= PARITY_LIMIT
+        if pair.off in memory and pair.on in memory:
+            row |= memory_pair(memory[pair.off], memory[pair.on])
         rows.append(row)
     return rows
 
 
-def memory_rows(memory_runs: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
-    return {config: rank_peaks([records]) for config, records in memory_runs.items()}
+def peaks_of(figures: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "per_rank": figures["mem_peak_per_rank_gib"],
+        "max": figures["mem_peak_max_gib"],
+        "avg": figures["mem_peak_avg_gib"],
+    }
+
+
+def timing_figures(config: str, run: Run, stats_from: int) -> dict[str, Any]:
+    """A timing run's figures (the runner's, mean ms/iter over the statistics window, named by its configuration)
+    and its per-step series."""
+    figures = run_figures(run, stats_from, stat="mean") | {"name": config}
+    figures["tokens_per_s_per_step"] = [r["tokens_per_s"] for r in run.records]
+    figures["tokens_per_step"] = [r["tokens"] for r in run.records]
+    return figures
 
 
 def _cv(values: list[float]) -> float:
@@ -544,14 +531,8 @@ def ep_probe(off: list[dict], on: list[dict]) -> dict[str, Any] | None:
 
 def comm_rows(probe_dirs: dict[str, Path]) -> dict[str, dict[str, Any]]:
     """Rank 0's profiler summary per probed configuration (communication ms per step, its share, collectives)."""
-    import json
-
-    rows = {}
-    for config, run_dir in probe_dirs.items():
-        path = run_dir / "profile" / "rank0.json"
-        if path.exists():
-            rows[config] = json.loads(path.read_text())
-    return rows
+    paths = {config: run_dir / "profile" / "rank0.json" for config, run_dir in probe_dirs.items()}
+    return {config: read_json(path) for config, path in paths.items() if path.exists()}
 
 
 def chunk_trace(records: list[dict]) -> dict[str, Any]:
@@ -590,8 +571,8 @@ def group_markdown(result: dict[str, Any]) -> list[str]:
         columns = ("switch", "configs", "loss mean rel err", "max abs err", "ms/iter off→on", "samples/s off→on",
                    "throughput change", "parity ≤ 1e-5")  # fmt: skip
         lines += md_table(columns, [
-            [p["label"], f"{p['off']} → {p['on']}", _pct(p["loss_mean_rel_err"]), f"{p['loss_max_abs_err']:.6f}",
-             _arrow(p["ms_per_iter"], "{:.1f}"), _arrow(p["samples_per_s"], "{:.3f}"),
+            [p["label"], f"{p['off_run']} → {p['on_run']}", _pct(p["loss_mean_rel_err"]),
+             f"{p['loss_max_abs_err']:.6f}", _arrow(p["ms_per_iter"], "{:.1f}"), _arrow(p["samples_per_s"], "{:.3f}"),
              f"{p['throughput_change_pct']:+.2f}%", "pass" if p["parity_pass"] else "FAIL"]
             for p in result["pairs"]
         ])  # fmt: skip
@@ -614,10 +595,10 @@ def group_markdown(result: dict[str, Any]) -> list[str]:
             "",
         ]
         columns = ("switch", "configs", "max-rank off→on", "avg-rank off→on", "max-rank saving", "avg-rank saving")
-        if result["memory_kind"].endswith("CPU tracker") and any("offload" in p["on"] for p in with_memory):
+        if result["memory_kind"].endswith("CPU tracker") and any("offload" in p["on_run"] for p in with_memory):
             lines += [CPU_OFFLOAD_NOTE, ""]
         lines += md_table(columns, [
-            [p["label"], f"{p['off']} → {p['on']}", _arrow(p["peak_max_gib"], "{:.6f}"),
+            [p["label"], f"{p['off_run']} → {p['on_run']}", _arrow(p["peak_max_gib"], "{:.6f}"),
              _arrow(p["peak_avg_gib"], "{:.6f}"), f"{p['saving_max_pct']:+.3f}%", f"{p['saving_avg_pct']:+.3f}%"]
             for p in with_memory
         ])  # fmt: skip
@@ -707,15 +688,15 @@ def charts(report: dict[str, Any]) -> dict[str, Any]:
             )
         for index, pair in enumerate(pairs):
             configs = result["configs"]
-            off, on = configs[pair["off"]]["losses"], configs[pair["on"]]["losses"]
-            drawn[f"plots/{name}_{index + 1:02d}_{pair['off']}_vs_{pair['on']}.png"] = (
+            off, on = configs[pair["off_run"]]["losses"], configs[pair["on_run"]]["losses"]
+            drawn[f"plots/{name}_{index + 1:02d}_{pair['off_run']}_vs_{pair['on_run']}.png"] = (
                 lambda path, off=off, on=on, pair=pair, name=name: loss_comparison_chart(
                     list(range(1, min(len(off), len(on)) + 1)),
                     off,
                     on,
-                    f"OFF: {pair['off']}",
-                    f"ON: {pair['on']}",
-                    f"{name} {pair['label']}: {pair['off']} vs {pair['on']} ({where})",
+                    f"OFF: {pair['off_run']}",
+                    f"ON: {pair['on_run']}",
+                    f"{name} {pair['label']}: {pair['off_run']} vs {pair['on_run']} ({where})",
                     path,
                 )
             )
@@ -746,9 +727,11 @@ def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
         group = GROUPS[name]
         steps, stats_from = group_steps(group, preset, args.steps)
         by_kind = {
-            kind: {job.config: run.records for job, run in runs.items() if job.group == name and job.kind == kind}
+            kind: {job.config: run for job, run in runs.items() if job.group == name and job.kind == kind}
             for kind in ("timing", "memory", "probe")
         }
+        timing = {config: timing_figures(config, run, stats_from) for config, run in by_kind["timing"].items()}
+        memory = {config: run_figures(run, 1, stat="mean") for config, run in by_kind["memory"].items()}
         probe_dirs = {job.config: runner.run_dir(job.name) for job in runs if job.group == name and job.kind == "probe"}
         result: dict[str, Any] = {
             "group": name,
@@ -758,15 +741,23 @@ def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
             "memory_kind": memory_kind,
             "memory_steps": preset.long_memory_steps if group.long_input else preset.memory_steps,
             "probe_window": list(preset.long_probe_window if group.long_input else preset.probe_window),
-            "configs": config_rows(group, by_kind["timing"], stats_from),
-            "pairs": pair_rows(group, by_kind["timing"], by_kind["memory"], stats_from),
-            "memory": memory_rows(by_kind["memory"]),
+            "configs": config_rows(group, timing),
+            "pairs": pair_rows(group, timing, memory),
+            "memory": {
+                config: {
+                    "per_rank": m["mem_peak_per_rank_gib"],
+                    "max": m["mem_peak_max_gib"],
+                    "avg": m["mem_peak_avg_gib"],
+                }
+                for config, m in memory.items()
+            },
             "comm": comm_rows(probe_dirs),
         }
-        if "00_baseline" in by_kind["probe"] and "08_ep_balance" in by_kind["probe"]:
-            result["ep_probe"] = ep_probe(by_kind["probe"]["00_baseline"], by_kind["probe"]["08_ep_balance"])
+        probes = {config: run.records for config, run in by_kind["probe"].items()}
+        if "00_baseline" in probes and "08_ep_balance" in probes:
+            result["ep_probe"] = ep_probe(probes["00_baseline"], probes["08_ep_balance"])
         if "05_dynamic_chunkloss" in by_kind["timing"]:
-            result["chunk_trace"] = chunk_trace(by_kind["timing"]["05_dynamic_chunkloss"])
+            result["chunk_trace"] = chunk_trace(by_kind["timing"]["05_dynamic_chunkloss"].records)
         groups[name] = result
     wall = time.perf_counter() - started
     report = {

@@ -33,13 +33,11 @@ from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.tools.bench_runner import (
     Run,
     Runner,
-    change_pct,
-    errors,
     load_range,
     md_table,
-    rank_peaks,
-    saving_pct,
-    timing,
+    memory_pair,
+    pair_figures,
+    run_figures,
     write_report,
 )
 
@@ -234,26 +232,10 @@ def summarise(run: Run, warmup: int, expected_tokens: int) -> dict[str, Any]:
             f"a sample came out shorter than data.cutoff_len. Raise the text budget or lower --tokens."
         )
     timed = [r for records in run.repeats for r in records if r["step"] > warmup]
-    speed = timing(timed, stat="median")
-    peaks = rank_peaks(run.repeats)
-    return {
-        "name": run.name,
-        "overrides": run.overrides,
-        "steps": len(run.records),
-        "losses": [r["loss"] for r in run.records],
-        "ms_timed": [r["ms_per_iter"] for r in timed],
-        "ms_per_iter": speed["ms_per_iter"],
-        "samples_per_s": speed["samples_per_s"],
-        "global_batch_size": run.records[-1]["global_batch_size"],
-        "tokens_per_step": run.records[-1]["tokens"],
-        "mem_peak_max_gib": peaks["max"],
-        "mem_peak_avg_gib": peaks["avg"],
-        "mem_peak_per_rank_gib": peaks["per_rank"],
-        "offload": offload_figures(timed),
-        "load_avg": run.load_avg,
-        "wall_s": run.wall_s,
-        "cpu_s": run.cpu_s,
-    }
+    figures = run_figures(run, warmup + 1, stat="median")
+    figures |= {"steps": len(run.records), "tokens_per_step": run.records[-1]["tokens"]}
+    figures["offload"] = offload_figures(timed)
+    return figures
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -263,28 +245,13 @@ def summarise(run: Run, warmup: int, expected_tokens: int) -> dict[str, Any]:
 
 def compare(switch_name: str, off: dict[str, Any], on: dict[str, Any], device: str, ranks: int) -> dict[str, Any]:
     switch = SWITCHES[switch_name]
-    loss = errors(on["losses"], off["losses"])
-    if not loss["steps"]:
+    row: dict[str, Any] = {"switch": switch_name, "label": switch.label, **pair_figures(off, on), "ranks": ranks}
+    if not row["loss_steps"]:
         raise UserError(f"bench memory: {switch.label}: no step has a finite loss on both sides.")
-    row: dict[str, Any] = {
-        "switch": switch_name,
-        "label": switch.label,
-        "off_run": off["name"],
-        "on_run": on["name"],
-        "ranks": ranks,
-        "loss_mean_rel_err_pct": loss["mean_rel"] * 100.0,
-        "loss_max_abs_err": loss["max_abs"],
-        "ms_per_iter": [off["ms_per_iter"], on["ms_per_iter"]],
-        "samples_per_s": [off["samples_per_s"], on["samples_per_s"]],
-        "peak_max_gib": [off["mem_peak_max_gib"], on["mem_peak_max_gib"]],
-        "peak_avg_gib": [off["mem_peak_avg_gib"], on["mem_peak_avg_gib"]],
-        "saving_max_pct": saving_pct(off["mem_peak_max_gib"], on["mem_peak_max_gib"]),
-        "saving_avg_pct": saving_pct(off["mem_peak_avg_gib"], on["mem_peak_avg_gib"]),
-        "time_cost_pct": change_pct(on["ms_per_iter"], off["ms_per_iter"]),
-        "throughput_change_pct": change_pct(on["samples_per_s"], off["samples_per_s"]),
-        # The cpu caveat of an accelerator-judged switch says nothing about a cuda/npu run.
-        "note": "" if switch.accelerator_only_target and device != "cpu" else switch.note,
-    }
+    row["loss_mean_rel_err_pct"] = row["loss_mean_rel_err"] * 100.0
+    row |= memory_pair(off, on)
+    # The cpu caveat of an accelerator-judged switch says nothing about a cuda/npu run.
+    row["note"] = "" if switch.accelerator_only_target and device != "cpu" else switch.note
     row["cpu_s_per_run"] = [statistics.median(off["cpu_s"]), statistics.median(on["cpu_s"])]
     if on["offload"]:
         row["offload"] = on["offload"]

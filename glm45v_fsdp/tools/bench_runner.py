@@ -98,6 +98,11 @@ def read_records(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def read_json(path: Path) -> Any:
+    """A result file a run wrote (a worker's result.json, a profile summary)."""
+    return json.loads(Path(path).read_text())
+
+
 def execute(
     name: str,
     command: list[str],
@@ -273,8 +278,55 @@ def saving_pct(off: float, on: float) -> float:
     return (off - on) / off * 100.0 if off > 0 else float("nan")
 
 
-def median_cpu_s(run: Run) -> float:
-    return statistics.median(run.cpu_s)
+def run_figures(run: Run, first_step: int, stat: str) -> dict[str, Any]:
+    """A configuration's standard figures: the first repeat's losses and grad norms, the timing of the steps from
+    `first_step` on over all repeats (`stat`: mean or median ms/iter), each rank's peak over all steps and repeats."""
+    timed = [r for records in run.repeats for r in records if r["step"] >= first_step]
+    peaks = rank_peaks(run.repeats)
+    return {
+        "name": run.name,
+        "overrides": run.overrides,
+        "losses": [r["loss"] for r in run.records],
+        "grad_norms": [r.get("grad_norm") for r in run.records],
+        "ms_timed": [r["ms_per_iter"] for r in timed],
+        **timing(timed, stat),
+        "global_batch_size": run.records[-1]["global_batch_size"],
+        "mem_peak_max_gib": peaks["max"],
+        "mem_peak_avg_gib": peaks["avg"],
+        "mem_peak_per_rank_gib": peaks["per_rank"],
+        "cpu_s": run.cpu_s,
+        "wall_s": run.wall_s,
+        "load_avg": run.load_avg,
+    }
+
+
+def pair_figures(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """What every OFF -> ON row reports from two configurations' figures: the loss errors of ON against OFF, ms/iter
+    and samples/s off -> on, the throughput change and the time cost."""
+    loss = errors(on["losses"], off["losses"])
+    return {
+        "off_run": off["name"],
+        "on_run": on["name"],
+        "loss_mean_rel_err": loss["mean_rel"],
+        "loss_max_rel_err": loss["max_rel"],
+        "loss_max_abs_err": loss["max_abs"],
+        "loss_steps": loss["steps"],
+        "ms_per_iter": [off["ms_per_iter"], on["ms_per_iter"]],
+        "samples_per_s": [off["samples_per_s"], on["samples_per_s"]],
+        "throughput_change_pct": change_pct(on["samples_per_s"], off["samples_per_s"]),
+        "time_cost_pct": change_pct(on["ms_per_iter"], off["ms_per_iter"]),
+    }
+
+
+def memory_pair(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """The peak-memory columns of an OFF -> ON row from two figure dicts holding mem_peak_max_gib / _avg_gib."""
+    off_max, on_max, off_avg, on_avg = (d[k] for k in ("mem_peak_max_gib", "mem_peak_avg_gib") for d in (off, on))
+    return {
+        "peak_max_gib": [off_max, on_max],
+        "peak_avg_gib": [off_avg, on_avg],
+        "saving_max_pct": saving_pct(off_max, on_max),
+        "saving_avg_pct": saving_pct(off_avg, on_avg),
+    }
 
 
 def load_range(runs: Iterable[Run]) -> str:

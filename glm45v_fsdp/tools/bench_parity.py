@@ -1,0 +1,216 @@
+"""`python -m glm45v_fsdp.tools.bench parity`: a long run against the backend being replaced.
+
+The DeepSpeed-API script of `bench deepspeed` (transformers' tiny GLM-4.5V, the same initial weights and batches
+everywhere; tools/bench_deepspeed_worker.py) runs `--steps` steps (default 2000) on the real DeepSpeed, and this
+backend runs the same workload through both of its doors: the same script with `import ds_compat as deepspeed`
+(engine) and our trainer behind `--deepspeed ds_config.json` (trainer). Per dtype (bf16, the acceptance run, and
+fp32 beside it) and door, against DeepSpeed:
+  - loss mean and max relative error over every step (the reference's definition, bench_runner.errors), the
+    mean signed and mean absolute difference;
+  - grad-norm mean and max relative error (the global norm before clipping, as each backend reports it);
+  - throughput ratio = DeepSpeed's mean ms/step / the door's over the steps after `--warmup` (> 1: faster); the
+    trainer's step leaves out fetching its batches, which the script does before its timed loop;
+  - the loss-comparison plot (two curves, the per-step relative error under them with the 2% line).
+Goal (the reference's acceptance): mean relative loss error < 2% in bf16 and throughput ≥ 1.0 × DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.tools.bench_deepspeed import initial_weights, run_trainer, worker_command
+from glm45v_fsdp.tools.bench_runner import errors, execute, md_table, read_json, write_report
+
+DOORS = ("ds_compat", "trainer")
+DOOR_NAMES = {"deepspeed": "DeepSpeed", "ds_compat": "engine API (ds_compat)", "trainer": "trainer --deepspeed"}
+LOSS_GOAL = 0.02  # mean relative loss error, bf16 (the reference: 1.618% over 2000 steps)
+SPEED_GOAL = 1.0  # throughput ratio to DeepSpeed
+
+
+def run_backend(args: argparse.Namespace, backend: str, dtype: str, initial: Path) -> dict[str, Any]:
+    """One `--steps` run of a backend: its ms per step, losses and grad norms (rank 0's view of the global ones)."""
+    run_dir = args.out / "runs" / f"{dtype}_{backend}"
+    print(f"{dtype} {DOOR_NAMES[backend]}: {args.steps} steps ...", flush=True)
+    started = time.perf_counter()
+    if backend == "trainer":
+        found = run_trainer(args, initial, run_dir, track_memory=False)
+    else:
+        command = worker_command(args, backend, args.zero, dtype, run_dir / "result.json")
+        execute(f"{dtype} {backend}", command, run_dir, args.run_timeout, args.threads, "bench parity", records=False)
+        found = read_json(run_dir / "result.json")
+    found["wall_s"] = time.perf_counter() - started
+    return found
+
+
+def compare(reference: dict[str, Any], door: dict[str, Any], warmup: int) -> dict[str, Any]:
+    loss = errors(door["losses"], reference["losses"])
+    grad = errors(door["grad_norms"], reference["grad_norms"])
+    pairs = [(d, r) for d, r in zip(door["losses"], reference["losses"]) if d is not None and r is not None]
+    ms_ref = statistics.fmean(reference["ms"][warmup:])
+    ms_door = statistics.fmean(door["ms"][warmup:])
+    return {
+        "loss_mean_rel_err": loss["mean_rel"],
+        "loss_max_rel_err": loss["max_rel"],
+        "loss_mean_signed_diff": statistics.fmean(r - d for d, r in pairs),
+        "loss_mean_abs_diff": statistics.fmean(abs(r - d) for d, r in pairs),
+        "grad_norm_mean_rel_err": grad["mean_rel"],
+        "grad_norm_max_rel_err": grad["max_rel"],
+        "steps": loss["steps"],
+        "ms_per_step": [ms_ref, ms_door],
+        "throughput_ratio": ms_ref / ms_door,
+    }
+
+
+def verdict(dtype: str, row: dict[str, Any]) -> str:
+    """bf16 is judged against the goals; fp32 is reported beside it."""
+    if dtype != "bf16":
+        return "reported"
+    below = []
+    if not row["loss_mean_rel_err"] < LOSS_GOAL:
+        below.append(f"loss ≥ {LOSS_GOAL:.0%}")
+    if not row["throughput_ratio"] >= SPEED_GOAL:
+        below.append(f"throughput < {SPEED_GOAL}× DeepSpeed")
+    return "pass" if not below else "below: " + ", ".join(below)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    columns = ("dtype", "door", "loss mean rel err", "loss max rel err", "grad-norm mean / max rel err",
+               "ms/step DeepSpeed → door", "throughput × DeepSpeed", "goal")  # fmt: skip
+    cells = [
+        [dtype, DOOR_NAMES[door], f"{r['loss_mean_rel_err'] * 100:.4f}%", f"{r['loss_max_rel_err'] * 100:.4f}%",
+         f"{r['grad_norm_mean_rel_err'] * 100:.4f}% / {r['grad_norm_max_rel_err'] * 100:.4f}%",
+         f"{r['ms_per_step'][0]:.1f} → {r['ms_per_step'][1]:.1f}", f"{r['throughput_ratio']:.3f}×", r["verdict"]]
+        for dtype, rows in report["rows"].items() for door, r in rows.items()
+    ]  # fmt: skip
+    lines = [
+        f"# Against DeepSpeed: {report['steps']} steps, ZeRO-{report['zero']}, {report['ranks']} ranks",
+        "",
+        f"Command: `{' '.join(report['command'][2:])}`; wall time {report['wall_s'] / 60:.1f} min.",
+        "",
+        *md_table(columns, cells),
+        "",
+        *[f"- {note}" for note in report["notes"]],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def charts(report: dict[str, Any], runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """plots/parity_<dtype>_<door>.png: the loss comparison of each door against DeepSpeed."""
+    from glm45v_fsdp.tools.chart import loss_comparison_chart
+
+    def plot(dtype: str, door: str) -> Any:
+        reference, test = runs[dtype]["deepspeed"]["losses"], runs[dtype][door]["losses"]
+        title = (
+            f"DeepSpeed vs {DOOR_NAMES[door]}, {dtype}, ZeRO-{report['zero']}, {report['ranks']} ranks, "
+            f"{report['steps']} steps"
+        )
+        steps = list(range(1, min(len(reference), len(test)) + 1))
+        return lambda path: loss_comparison_chart(
+            steps, reference, test, "DeepSpeed", f"this backend: {DOOR_NAMES[door]}", title, path
+        )
+
+    return {f"plots/parity_{dtype}_{door}.png": plot(dtype, door) for dtype in runs for door in DOORS}
+
+
+def run_parity(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.perf_counter()
+    runs: dict[str, dict[str, dict[str, Any]]] = {}
+    for index, dtype in enumerate(args.dtypes):
+        initial = initial_weights(args, args.zero, dtype, args.out / "initial" / f"zero{args.zero}_{dtype}")
+        order = ("deepspeed", *DOORS) if index % 2 == 0 else (*reversed(DOORS), "deepspeed")  # drift hits all
+        runs[dtype] = {backend: run_backend(args, backend, dtype, initial) for backend in order}
+    rows = {}
+    for dtype, by_backend in runs.items():
+        rows[dtype] = {}
+        for door in DOORS:
+            row = compare(by_backend["deepspeed"], by_backend[door], args.warmup)
+            row["verdict"] = verdict(dtype, row)
+            rows[dtype][door] = row
+    report = {
+        "benchmark": "parity",
+        "steps": args.steps,
+        "zero": args.zero,
+        "ranks": args.ranks,
+        "warmup": args.warmup,
+        "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
+        "wall_s": time.perf_counter() - started,
+        "rows": rows,
+        "notes": [
+            "workload: the DeepSpeed-API script of `bench deepspeed` (transformers' tiny GLM-4.5V: 2 text layers, 8 "
+            f"routed experts top-2, a 2-block vision tower), micro batch {args.micro} per rank, 256 text tokens and "
+            "one 112 px image per sample, every step new samples in the same order on every backend; AdamW lr 1e-4 "
+            "constant, betas 0.9/0.95, clipping 1.0; the same initial weights (the trainer loads them from an HF "
+            "checkpoint the script wrote).",
+            "bf16: DeepSpeed's bf16 mode (bf16 weights and activations, fp32 master weights in its optimizer) against "
+            "this backend's bf16 compute with fp32 parameters and reductions; fp32 on both sides beside it.",
+            "loss: the mean of the ranks' losses per step; errors over every step (none dropped), relative to "
+            "DeepSpeed: mean(|door − DeepSpeed| / (|DeepSpeed| + 1e-8)). Signed difference: DeepSpeed − door.",
+            f"ms/step: mean of steps {args.warmup + 1}–{args.steps} of one run per backend, run back to back (the "
+            "order reversed for the second dtype, so a drift of the machine's speed does not favour one side); the "
+            "trainer's leaves out its batch fetch, which the script does before its timed loop.",
+            f"OMP_NUM_THREADS per rank: {args.threads}.",
+        ],
+        "losses": {dtype: {b: r["losses"] for b, r in by_backend.items()} for dtype, by_backend in runs.items()},
+        "grad_norms": {
+            dtype: {b: r["grad_norms"] for b, r in by_backend.items()} for dtype, by_backend in runs.items()
+        },
+        "ms": {dtype: {b: r["ms"] for b, r in by_backend.items()} for dtype, by_backend in runs.items()},
+    }
+    write_report(args.out, "parity", report, markdown(report), charts(report, runs))
+    return report
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "parity",
+        help="a long run on the real DeepSpeed against this backend's two doors: loss, grad-norm and speed parity",
+        description="The DeepSpeed-API script on DeepSpeed, on ds_compat and through our trainer, same weights and "
+        "batches, --steps steps per dtype; loss/grad-norm errors, throughput ratio, loss-comparison plots.",
+    )
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--dtype", default="bf16,fp32", help="bf16 and/or fp32, comma-separated (bf16 is judged)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage of the ds_config")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--micro", type=int, default=2, help="micro batch per rank")
+    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of ms/step")
+    parser.add_argument("--out", type=Path, default=Path("output/bench/parity"))
+    parser.add_argument("--run-timeout", type=float, default=None)
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+
+
+def main_parity(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "bench parity: the reference needs DeepSpeed: DS_BUILD_OPS=0 pip install --no-build-isolation "
+            "'deepspeed>=0.19,<0.20' (CPU: DS_ACCELERATOR=cpu is set for the runs)."
+        ) from None
+    from glm45v_fsdp.tools.chart import require_matplotlib
+
+    require_matplotlib()
+    args.dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    if not args.dtypes or any(d not in ("bf16", "fp32") for d in args.dtypes):
+        raise UserError(f"bench parity: --dtype {args.dtype!r}: choose bf16 and/or fp32, comma-separated.")
+    if not 0 <= args.warmup < args.steps or args.ranks < 1 or args.micro < 1:
+        raise UserError(
+            f"bench parity: need 0 <= --warmup < --steps, --ranks >= 1 and --micro >= 1; got --warmup {args.warmup}, "
+            f"--steps {args.steps}, --ranks {args.ranks}, --micro {args.micro}."
+        )
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    args.profile, args.argv = False, argv
+    report = run_parity(args)
+    below = [
+        f"{door} ({row['verdict']})" for door, row in report["rows"].get("bf16", {}).items() if row["verdict"] != "pass"
+    ]
+    if below:
+        print(f"bench parity: bf16 below the goal: {', '.join(below)}")
+    return 0
