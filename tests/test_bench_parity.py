@@ -40,7 +40,7 @@ def test_parity_bench_compares_each_door_with_deepspeed_and_judges_bf16(tmp_path
             return [{**row, "mem_peak_max_gib": 0.0} for row in rows], 1.0, 1.0
         backend, dtype = argument(command, "backend"), argument(command, "dtype")
         order.append((dtype, backend))
-        assert argument(command, "zero") == "2" and argument(command, "steps") == "4"
+        assert argument(command, "zero") == "3" and argument(command, "steps") == "4"
         losses = reference if backend == "deepspeed" else doors[backend]
         result = {"ms": [500.0] + [ms[backend]] * 3, "losses": losses, "grad_norms": [x for x in losses]}
         output_dir.mkdir(parents=True, exist_ok=True)  # as the runner's execute does

@@ -51,10 +51,18 @@ def workload_overrides(args: argparse.Namespace, world: int) -> list[str]:
     ]
 
 
+def schedule_arguments(args: argparse.Namespace) -> list[str]:
+    """The worker's lr and schedule when the caller sets them (bench parity); bench deepspeed keeps the worker's
+    constant 1e-4."""
+    schedule = getattr(args, "schedule", None)
+    return [f"--lr={args.lr}", f"--schedule={schedule}"] if schedule else []
+
+
 def worker_command(args: argparse.Namespace, backend: str, zero: int, dtype: str, out: Path) -> list[str]:
     arguments = [f"--backend={backend}", f"--zero={zero}", f"--dtype={dtype}", f"--steps={args.steps}"]
     arguments += [f"--micro={args.micro}", f"--out={out}", f"--world-size={args.ranks}"]
     arguments += ["--profile"] if args.profile else []
+    arguments += schedule_arguments(args)
     if backend in ("bare", "alternate"):  # one process
         return [sys.executable, "-m", "glm45v_fsdp.tools.bench_deepspeed_worker", *arguments]
     return torchrun_command(args.ranks, "glm45v_fsdp.tools.bench_deepspeed_worker", arguments)
@@ -66,7 +74,7 @@ def initial_weights(args: argparse.Namespace, zero: int, dtype: str, directory: 
         directory.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "glm45v_fsdp.tools.bench_deepspeed_worker", "--backend=bare"]
         command += [f"--zero={zero}", f"--dtype={dtype}", f"--steps={args.steps}", f"--micro={args.micro}"]
-        command += [f"--world-size={args.ranks}", f"--save-initial={directory}"]
+        command += [f"--world-size={args.ranks}", f"--save-initial={directory}", *schedule_arguments(args)]
         execute("initial weights", command, directory, args.run_timeout, args.threads, bench="bench deepspeed",
                 records=False)  # fmt: skip
     return directory
@@ -85,6 +93,7 @@ def trainer_command(args: argparse.Namespace, initial: Path, run_dir: Path, trac
         f"training.output_dir={run_dir}",
         "training.lr_scheduler=constant",
         "training.lr_warmup_ratio=0",
+        "training.min_lr=0",  # the YAML's floor would exceed a ds_config lr below it (bench parity's 1e-5)
         f"training.log_interval={args.steps}",
         "training.progress_bar=false",
         f"training.track_memory={str(track_memory).lower()}",

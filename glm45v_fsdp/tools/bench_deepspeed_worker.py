@@ -38,13 +38,24 @@ def ds_config(args: argparse.Namespace) -> dict:
         "zero_optimization": {"stage": args.zero},
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True},
+            "params": {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True},
         },
         "steps_per_print": 10**6,
         "wall_clock_breakdown": False,
     }
     if args.dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if args.schedule == "cosine":  # bench parity: the reference's acceptance run (warmup 10%, then cosine to 0)
+        config["scheduler"] = {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": args.steps,
+                "warmup_num_steps": max(1, round(0.1 * args.steps)),
+                "warmup_type": "linear",
+                "warmup_min_ratio": 0.0,
+                "cos_min_ratio": 0.0,
+            },
+        }
     return config
 
 
@@ -165,6 +176,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="the ds_config's lr")
     parser.add_argument("--text-layers", type=int, default=WORKLOAD["text_layers"])
     parser.add_argument("--text-tokens", type=int, default=WORKLOAD["text_tokens"])
     parser.add_argument("--image-size", type=int, default=WORKLOAD["image_size"], help="112 px: 8 x 8 = 64 patches")

@@ -189,6 +189,7 @@ class Preset:
     device: str
     ranks: int
     dtype: str  # parameters; reductions are fp32
+    vocab: int  # the text model's vocabulary: what the chunked loss saves grows with it
     cutoff: int  # F200/F500 data.cutoff_len
     text_tokens: int  # synthetic text per F sample (plus one image)
     samples: int  # F200/F500 data set size (the reference: 2048 fixed samples)
@@ -217,6 +218,7 @@ PRESETS: dict[str, Preset] = {
         device="cpu",
         ranks=2,
         dtype="fp32",
+        vocab=16384,
         cutoff=512,
         text_tokens=440,
         samples=2048,
@@ -239,7 +241,9 @@ PRESETS: dict[str, Preset] = {
         long_probe_window=(3, 4),
         note="cpu preset, scaled from the reference's 8 x Ascend 910B3 set-up: 2 ranks (EP2; CP2 leaves one "
         "data-parallel rank) instead of 8, fp32 parameters instead of bf16 (so every exact switch is judged at "
-        "1e-5), cutoff 512 instead of 1024 (static chunk 128 / dynamic total 256 instead of 1024 / 4096, so a "
+        "1e-5), the tiny model (4 text layers, hidden 64, 8 routed experts top-2) with a 16384-word vocabulary "
+        "instead of GLM-4.5V's 151552 (the logits the chunked loss avoids keep a comparable share), cutoff 512 "
+        "instead of 1024 (static chunk 128 / dynamic total 256 instead of 1024 / 4096, so a "
         "sample spans several chunks), the F200/F500 step counts and windows as the reference's; P32K at 4096 "
         "tokens instead of 32768, micro 2 (CP pair: 1) instead of 64 (16), 12 steps (statistics from step 5) "
         "instead of 40 (from 11); memory runs 8 steps (P32K: 4) instead of 30 (12); profiler windows steps 4-6 "
@@ -250,6 +254,7 @@ PRESETS: dict[str, Preset] = {
         device="npu",
         ranks=8,
         dtype="bf16",
+        vocab=151552,
         cutoff=1024,
         text_tokens=960,
         samples=2048,
@@ -270,7 +275,8 @@ PRESETS: dict[str, Preset] = {
         long_stats_from=11,
         long_memory_steps=12,
         long_probe_window=(10, 12),
-        note="npu8 preset: the reference's counts for one 8-device node: 8 ranks (EP8; CP2 with 4 data-parallel "
+        note="npu8 preset: the reference's counts for one 8-device node (the tiny model with GLM-4.5V's 151552-word "
+        "vocabulary): 8 ranks (EP8; CP2 with 4 data-parallel "
         "ranks and accumulation 2), bf16 parameters with fp32 reductions, cutoff 1024, global batch 8, F200 200 "
         "steps (statistics 101-200), F500 500 (101-500), memory runs of 30 steps, profiler steps 20-24; P32K at "
         "32768 tokens, micro 64 (global batch 512) and 16 for the CP pair (global 128), 40 steps (11-40), memory "
@@ -310,13 +316,17 @@ def group_steps(group: Group, preset: Preset, steps: int | None) -> tuple[int, i
     return steps, min(steps, max(1, round(steps * (first - 1) / total) + 1))
 
 
+def model_shape(preset: Preset) -> list[str]:
+    """The tiny model with the preset's vocabulary and room for the longest input (the initial weights' shape)."""
+    text = "model.config_overrides.text_config"
+    return [f"{text}.vocab_size={preset.vocab}", f"{text}.max_position_embeddings={max(4096, preset.long_cutoff)}"]
+
+
 def model_and_data(preset: Preset, group: Group, config: str) -> list[str]:
     """The data of a group (the F groups' fixed samples or P32K's long ones) and the model's position limit."""
-    text = "model.config_overrides.text_config"
-    positions = f"{text}.max_position_embeddings={max(4096, preset.long_cutoff)}"
     if not group.long_input:
         return [
-            positions,
+            *model_shape(preset),
             f"data.cutoff_len={preset.cutoff}",
             f"data.synthetic_text_tokens={preset.text_tokens}",
             "data.synthetic_images_per_sample=1",
@@ -325,7 +335,7 @@ def model_and_data(preset: Preset, group: Group, config: str) -> list[str]:
         ]
     micro = preset.long_cp_micro if config in P32K_CP_CONFIGS else preset.long_micro
     return [
-        positions,
+        *model_shape(preset),
         f"data.cutoff_len={preset.long_cutoff}",
         f"data.synthetic_text_tokens={preset.long_cutoff}",
         f"data.synthetic_images_per_sample={preset.long_images}",
@@ -414,7 +424,7 @@ def initial_weights(args: argparse.Namespace, runner: Runner) -> Path:
     run_dir = args.out / "runs" / "initial"
     overrides = [
         f"training.device={preset.device}",
-        f"model.config_overrides.text_config.max_position_embeddings={max(4096, preset.long_cutoff)}",
+        *model_shape(preset),
         "training.train_iters=1",
         "training.lr=0",
         "training.min_lr=0",
@@ -676,15 +686,19 @@ def charts(report: dict[str, Any]) -> dict[str, Any]:
                 value_format="{:.1f}",
             )
         memory, kind = result["memory"], result["memory_kind"]
+        offload = kind.endswith("CPU tracker") and any("offload" in config for config in memory)
         if memory:
-            drawn[f"{name}_memory.png"] = lambda path, memory=memory, name=name, kind=kind: config_bars(
-                list(memory),
-                [[m["max"] for m in memory.values()], [m["avg"] for m in memory.values()]],
-                ("max-rank", "avg-rank"),
-                f"{name}: peak memory per configuration, {kind} — {where}",
-                "GiB",
-                path,
-                value_format="{:.4f}",
+            drawn[f"{name}_memory.png"] = lambda path, memory=memory, name=name, kind=kind, offload=offload: (
+                config_bars(
+                    list(memory),
+                    [[m["max"] for m in memory.values()], [m["avg"] for m in memory.values()]],
+                    ("max-rank", "avg-rank"),
+                    f"{name}: peak memory per configuration, {kind} — {where}"
+                    + ("\n(on cpu offload's host copies count too: host and device are one memory)" if offload else ""),
+                    "GiB",
+                    path,
+                    value_format="{:.4f}",
+                )
             )
         for index, pair in enumerate(pairs):
             configs = result["configs"]

@@ -146,9 +146,11 @@ def run_parity(args: argparse.Namespace) -> dict[str, Any]:
         "notes": [
             "workload: the DeepSpeed-API script of `bench deepspeed` (transformers' tiny GLM-4.5V: 2 text layers, 8 "
             f"routed experts top-2, a 2-block vision tower), micro batch {args.micro} per rank, 256 text tokens and "
-            "one 112 px image per sample, every step new samples in the same order on every backend; AdamW lr 1e-4 "
-            "constant, betas 0.9/0.95, clipping 1.0; the same initial weights (the trainer loads them from an HF "
-            "checkpoint the script wrote).",
+            "one 112 px image per sample, every step new samples in the same order on every backend; the reference's "
+            f"acceptance schedule: AdamW lr {args.lr:g}, 10% linear warmup then cosine to 0 over the run (the "
+            "ds_config's WarmupCosineLR, which the trainer door follows step by step), no weight decay, betas "
+            "0.9/0.95; clipping 1.0; the same initial weights (the trainer loads them from an HF checkpoint the "
+            "script wrote).",
             "bf16: DeepSpeed's bf16 mode (bf16 weights and activations, fp32 master weights in its optimizer) against "
             "this backend's bf16 compute with fp32 parameters and reductions; fp32 on both sides beside it.",
             "loss: the mean of the ranks' losses per step; errors over every step (none dropped), relative to "
@@ -177,10 +179,17 @@ def add_parser(sub: Any) -> None:
     )
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--dtype", default="bf16,fp32", help="bf16 and/or fp32, comma-separated (bf16 is judged)")
-    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage of the ds_config")
+    parser.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=3,
+        help="ZeRO stage of the ds_config (3: what a 106B job runs, and what FSDP2's full sharding is)",
+    )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--micro", type=int, default=2, help="micro batch per rank")
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out of ms/step")
+    parser.add_argument("--lr", type=float, default=1e-5, help="peak lr of the warmup-cosine schedule")
     parser.add_argument("--out", type=Path, default=Path("output/bench/parity"))
     parser.add_argument("--run-timeout", type=float, default=None)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
@@ -206,7 +215,7 @@ def main_parity(args: argparse.Namespace, argv: list[str]) -> int:
             f"--steps {args.steps}, --ranks {args.ranks}, --micro {args.micro}."
         )
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    args.profile, args.argv = False, argv
+    args.profile, args.argv, args.schedule = False, argv, "cosine"
     report = run_parity(args)
     below = [
         f"{door} ({row['verdict']})" for door, row in report["rows"].get("bf16", {}).items() if row["verdict"] != "pass"
