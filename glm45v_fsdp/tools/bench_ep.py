@@ -33,6 +33,7 @@ from typing import Any
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.tools.bench_memory import common_overrides
 from glm45v_fsdp.tools.bench_runner import (
+    PARITY_LIMIT,
     Run,
     Runner,
     change_pct,
@@ -44,7 +45,6 @@ from glm45v_fsdp.tools.bench_runner import (
     write_report,
 )
 
-PARITY_LIMIT = 1e-5
 MIB = 2**20
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.tools.bench_runner import (
+    PARITY_LIMIT,
     Run,
     Runner,
     errors,
@@ -50,7 +51,6 @@ from glm45v_fsdp.tools.bench_runner import (
     write_report,
 )
 
-PARITY_LIMIT = 1e-5  # mean relative loss error of an exact switch (the reference: every switch < 0.001%)
 CPU_OFFLOAD_NOTE = (
     "On cpu the offload rows count the host copies too: host and device are one memory, so offload can only add to "
     "the figure here; its memory benefit is for cuda/npu (allocator peak)."

@@ -31,6 +31,7 @@ from typing import Any
 
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.tools.bench_runner import (
+    PARITY_LIMIT,
     Run,
     Runner,
     load_range,
@@ -41,7 +42,6 @@ from glm45v_fsdp.tools.bench_runner import (
     write_report,
 )
 
-PARITY_LIMIT = 1e-5  # mean relative loss error of an exact transformation in fp32 (docs/memory.md)
 OFFLOAD_KEY = "features.activation_offload.enabled"
 
 CHUNK_SHAPE = "chunk"  # --vocab on the model's own layer count
