@@ -45,6 +45,7 @@ from glm45v_fsdp.tools.bench_runner import (
     md_table,
     memory_pair,
     pair_figures,
+    rank_peaks,
     read_json,
     run_figures,
     train_command,
@@ -484,14 +485,6 @@ def pair_rows(group: Group, timing: dict[str, dict[str, Any]], memory: dict[str,
     return rows
 
 
-def peaks_of(figures: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "per_rank": figures["mem_peak_per_rank_gib"],
-        "max": figures["mem_peak_max_gib"],
-        "avg": figures["mem_peak_avg_gib"],
-    }
-
-
 def timing_figures(config: str, run: Run, stats_from: int) -> dict[str, Any]:
     """A timing run's figures (the runner's, mean ms/iter over the statistics window, named by its configuration)
     and its per-step series."""
@@ -731,10 +724,9 @@ def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[Job, Run] = {}
     for index, job in enumerate(jobs):
         run_dir = runner.run_dir(job.name)
-        run = runs[job] = Run(job.name, [])
-        overrides = job_overrides(job, args, run_dir)
-        run.overrides = overrides
-        runner.train(run, overrides, run_dir, label=f"[{index + 1}/{len(jobs)}] {job.group} {job.config} {job.kind}")
+        run = runs[job] = Run(job.name, job_overrides(job, args, run_dir))
+        label = f"[{index + 1}/{len(jobs)}] {job.group} {job.config} {job.kind}"
+        runner.train(run, run.overrides, run_dir, label=label)
     memory_kind = "allocator peak" if preset.device != "cpu" else "live tensor bytes, CPU tracker"
     groups = {}
     for name in args.groups:
@@ -757,14 +749,7 @@ def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
             "probe_window": list(preset.long_probe_window if group.long_input else preset.probe_window),
             "configs": config_rows(group, timing),
             "pairs": pair_rows(group, timing, memory),
-            "memory": {
-                config: {
-                    "per_rank": m["mem_peak_per_rank_gib"],
-                    "max": m["mem_peak_max_gib"],
-                    "avg": m["mem_peak_avg_gib"],
-                }
-                for config, m in memory.items()
-            },
+            "memory": {config: rank_peaks(run.repeats) for config, run in by_kind["memory"].items()},
             "comm": comm_rows(probe_dirs),
         }
         probes = {config: run.records for config, run in by_kind["probe"].items()}

@@ -171,11 +171,11 @@ class Runner:
     def run_dir(self, name: str, repeat: int = 0) -> Path:
         return self.out / "runs" / (name if repeat == 0 else f"{name}.r{repeat + 1}")
 
-    def train(self, run: Run, overrides: list[str], run_dir: Path, ranks: int | None = None, label: str = "") -> None:
+    def train(self, run: Run, overrides: list[str], run_dir: Path, label: str = "") -> None:
         """One training run of `run` (its overrides already in `overrides`, with training.output_dir=run_dir)."""
         before = load1()
         print(f"{label or run.name}, load {before:.2f} ...", flush=True)
-        command = train_command(ranks or self.ranks, overrides)
+        command = train_command(self.ranks, overrides)
         records, wall, cpu = execute(run.name, command, run_dir, self.timeout, self.threads, bench=self.bench)
         run.repeats.append(records)
         run.load_avg.append([before, load1()])
@@ -223,7 +223,7 @@ def errors(test: Sequence[float | None], ref: Sequence[float | None]) -> dict[st
     if not pairs:
         nan = float("nan")
         return {"mean_rel": nan, "max_rel": nan, "max_abs": nan, "steps": 0}
-    rel = [abs(t - r) / (abs(r) + REL_EPS) for t, r in pairs]
+    rel = relative_errors(test, ref)
     return {
         "mean_rel": statistics.fmean(rel),
         "max_rel": max(rel),
@@ -241,11 +241,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def window(records: Iterable[dict], first: int, last: int | None = None) -> list[dict]:
-    """The records of steps first..last (inclusive; last None = to the end)."""
-    return [r for r in records if r["step"] >= first and (last is None or r["step"] <= last)]
 
 
 def timing(records: Sequence[dict], stat: str = "mean") -> dict[str, float]:

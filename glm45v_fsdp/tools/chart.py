@@ -36,7 +36,6 @@ DPI = 100
 # The relative-error axis turns logarithmic when every error is below this fraction of the limit line: on a linear
 # axis they would be a flat line on 0.
 LOG_BELOW_FRACTION_OF_LIMIT = 0.1
-EPSILON = 1e-8  # the denominator guard of the relative error, as in the benches' loss parity
 
 
 def require_matplotlib() -> None:
@@ -223,8 +222,10 @@ def bar_chart(
 
 
 def relative_errors_pct(reference: Sequence[float], test: Sequence[float]) -> list[float]:
-    """Per step: |test - ref| / (|ref| + 1e-8) in percent, the benches' loss-parity measure."""
-    return [100 * abs(t - r) / (abs(r) + EPSILON) for r, t in zip(reference, test)]
+    """Per step: |test - ref| / (|ref| + 1e-8) in percent, the benches' loss-parity measure (bench_runner's)."""
+    from glm45v_fsdp.tools.bench_runner import relative_errors
+
+    return [100.0 * error for error in relative_errors(test, reference)]
 
 
 def error_axis_scale(errors_pct: Sequence[float], limit_pct: float) -> str:
