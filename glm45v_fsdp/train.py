@@ -181,8 +181,8 @@ def export_final_weights(config: Config, model: nn.Module, hf_config: object, da
 
 
 def end_process(code: int) -> NoReturn:
-    """Flush and end the process without the interpreter's teardown (see runtime.dist.shutdown): every output is
-    written and every rank has passed the final barrier by now."""
+    """Flush and end the process without the interpreter's teardown, whose gloo part occasionally aborts a rank
+    that has already written everything (see runtime.dist.shutdown)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -198,19 +198,20 @@ def report_failure(error: BaseException) -> None:
         watchdog.report_failure(f"{type(error).__name__}: {str(error)[:300]}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run, then end the process (a finished run exits through `end_process`); user errors return 2, a stop 3, a
-    preemption 143 (after its checkpoint)."""
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Run, then end the process through `end_process` (no interpreter teardown, see runtime.dist.shutdown): 0 when
+    finished, 2 on a user error, 3 on a stop, 143 on a preemption (after its checkpoint). A crash keeps its
+    traceback and the interpreter's exit."""
     try:
         run(sys.argv[1:] if argv is None else argv)
     except UserError as error:
         report_failure(error)
         report_user_error("glm45v-train", error)
-        return EXIT_USER_ERROR
+        end_process(EXIT_USER_ERROR)
     except TrainingStopped as error:
         report_failure(error)
         print(f"glm45v-train: {error}", file=sys.stderr)
-        return EXIT_STOPPED
+        end_process(EXIT_STOPPED)
     except Preempted as error:  # every rank stops at the same step: not a failure of one
         from glm45v_fsdp.runtime.preemption import EXIT_PREEMPTED
         from glm45v_fsdp.runtime.watchdog import current_watchdog
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if watchdog is not None:
             watchdog.finish()
         print(f"glm45v-train: {error}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        end_process(EXIT_PREEMPTED)
     except Exception as error:  # a crash keeps its traceback; a lost peer is named by node first
         from glm45v_fsdp.log import get_logger
         from glm45v_fsdp.runtime.topology import lost_peer
@@ -233,4 +234,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -371,7 +371,8 @@ def shutdown(finished: bool = False) -> None:
     `glm45v_fsdp.train.main` does with os._exit): wait for all ranks and leave the group to the process exit. On
     gloo the C++ teardown of a finished job occasionally aborted a rank ("terminate called without an active
     exception", seen in about 1 of 30 multi-rank runs, after all outputs were written); ending the process without
-    that teardown cannot. On error paths a barrier could wait for a rank that is gone, so there is none.
+    that teardown cannot. On error paths a barrier could wait for a rank that is gone, so there is none, and
+    `main` ends those with os._exit too (the same abort once turned a user error's exit 2 into -6).
     """
     watchdog = current_watchdog()
     if finished and watchdog is not None:
