@@ -107,7 +107,7 @@ def test_memory_bench_on_cuda_judges_offload_and_runs_every_process_on_the_devic
     peaks = {"recompute": 1.0, "recompute_offload": 0.7}
     commands = {}
 
-    def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench memory"):
+    def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench memory", records=True):
         commands[name] = command
         record = {
             "step": 1,
@@ -142,7 +142,7 @@ def test_memory_bench_ulysses_row_needs_even_ranks(tmp_path, monkeypatch):
 
     commands = {}
 
-    def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench memory"):
+    def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench memory", records=True):
         commands[name] = command
         ranks = next(int(arg.split("=")[1]) for arg in command if arg.startswith("--nproc_per_node="))
         record = {"step": 1, "loss": 2.0, "ms_per_iter": 10.0, "global_batch_size": ranks, "tokens": 64 * ranks}
@@ -179,7 +179,7 @@ def test_ep_bench_runs_each_configuration_and_judges_the_rows(tmp_path, monkeypa
     after = {"skew_balance": 1.04}
     commands = {}
 
-    def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench ep"):
+    def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench ep", records=True):
         commands[name] = command
         record = {
             "step": 1,
@@ -257,7 +257,7 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
     ZeRO-3 is judged against 1.6x and the others against 1.0x and 0.8 of the bare loop's rate, the trainer door gets
     the worker's initial weights and ds_config, and the loss parity is reported per door; torch DDP's share of the
     bare rate is reported beside it."""
-    from glm45v_fsdp.tools import bench, bench_deepspeed
+    from glm45v_fsdp.tools import bench, bench_runner
 
     order, trainer_commands = [], []
     speed = {"deepspeed": {1: 50.0, 3: 120.0}, "ds_compat": {1: 40.0, 3: 80.0}, "trainer": {1: 50.0, 3: 70.0}}
@@ -266,6 +266,7 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
         return next(arg.split("=", 1)[1] for arg in command if arg.startswith(f"--{name}="))
 
     def fake_execute(name, command, output_dir, timeout, threads=None, bench="", records=True):
+        output_dir.mkdir(parents=True, exist_ok=True)  # as the runner's execute does
         losses = [2.0, 1.9, 1.8 * (1 + 1.5e-5)]
         if "glm45v_fsdp.train" in command:
             config = Path(command[command.index("--deepspeed") + 1])
@@ -296,7 +297,7 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
         Path(argument(command, "out")).write_text(json.dumps(result))
         return [], 1.0, 1.0
 
-    monkeypatch.setattr(bench_deepspeed, "execute", fake_execute)
+    monkeypatch.setattr(bench_runner, "execute", fake_execute)
     argv = ["deepspeed", "--zero", "1,3", "--steps", "6", "--warmup", "1", "--rounds", "2", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     first, second = [(2, "alternate"), (0, "bare"), (0, "ddp"), (1, "deepspeed"), (1, "ds_compat"), (1, "trainer")], [

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_parity_bench_compares_each_door_with_deepspeed_and_judges_bf16(tmp_path, monkeypatch):
-    from glm45v_fsdp.tools import bench, bench_deepspeed, bench_parity
+    from glm45v_fsdp.tools import bench, bench_runner
 
     order = []
     reference = [2.0, 1.8, 1.5, 1.2]
@@ -26,6 +26,7 @@ def test_parity_bench_compares_each_door_with_deepspeed_and_judges_bf16(tmp_path
         return next(arg.split("=", 1)[1] for arg in command if arg.startswith(f"--{name}="))
 
     def fake_execute(name, command, output_dir, timeout, threads=None, bench="", records=True):
+        output_dir.mkdir(parents=True, exist_ok=True)  # as the runner's execute does
         if any(arg.startswith("--save-initial=") for arg in command):
             Path(argument(command, "save-initial"), "ds_config.json").write_text('{"saved_by": "fake"}')
             return [], 1.0, 1.0
@@ -43,12 +44,10 @@ def test_parity_bench_compares_each_door_with_deepspeed_and_judges_bf16(tmp_path
         assert argument(command, "zero") == "3" and argument(command, "steps") == "4"
         losses = reference if backend == "deepspeed" else doors[backend]
         result = {"ms": [500.0] + [ms[backend]] * 3, "losses": losses, "grad_norms": [x for x in losses]}
-        output_dir.mkdir(parents=True, exist_ok=True)  # as the runner's execute does
         Path(argument(command, "out")).write_text(json.dumps(result))
         return [], 1.0, 1.0
 
-    monkeypatch.setattr(bench_parity, "execute", fake_execute)
-    monkeypatch.setattr(bench_deepspeed, "execute", fake_execute)
+    monkeypatch.setattr(bench_runner, "execute", fake_execute)
     argv = ["parity", "--steps", "4", "--warmup", "1", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     # bf16 first, DeepSpeed first; fp32 in the reverse order (a drift of machine speed hits both sides)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_runner import errors, execute, read_json, torchrun_command, write_report
+from glm45v_fsdp.tools.bench_runner import Run, Runner, errors, torchrun_command, write_report
 from glm45v_fsdp.tools.chart import bar_chart
 
 BACKENDS = ("deepspeed", "ds_compat", "trainer")  # the reference, the engine API door, the trainer door
@@ -68,15 +68,17 @@ def worker_command(args: argparse.Namespace, backend: str, zero: int, dtype: str
     return torchrun_command(args.ranks, "glm45v_fsdp.tools.bench_deepspeed_worker", arguments)
 
 
-def initial_weights(args: argparse.Namespace, zero: int, dtype: str, directory: Path) -> Path:
+def runner(args: argparse.Namespace, bench: str) -> Runner:
+    return Runner(bench, args.out, args.ranks, args.threads, args.run_timeout)
+
+
+def initial_weights(args: argparse.Namespace, runner: Runner, zero: int, dtype: str, directory: Path) -> Path:
     """The workload's initial weights (HF safetensors) and its ds_config, written by the worker for the trainer."""
     if not (directory / "ds_config.json").exists():
-        directory.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "glm45v_fsdp.tools.bench_deepspeed_worker", "--backend=bare"]
         command += [f"--zero={zero}", f"--dtype={dtype}", f"--steps={args.steps}", f"--micro={args.micro}"]
         command += [f"--world-size={args.ranks}", f"--save-initial={directory}", *schedule_arguments(args)]
-        execute("initial weights", command, directory, args.run_timeout, args.threads, bench="bench deepspeed",
-                records=False)  # fmt: skip
+        runner.launch(Run(f"initial weights {directory.name}"), command, directory, reads="nothing")
     return directory
 
 
@@ -102,13 +104,15 @@ def trainer_command(args: argparse.Namespace, initial: Path, run_dir: Path, trac
     return torchrun_command(args.ranks, "glm45v_fsdp.train", arguments)
 
 
-def run_trainer(args: argparse.Namespace, initial: Path, run_dir: Path, track_memory: bool) -> dict[str, Any]:
+def run_trainer(
+    args: argparse.Namespace, runner: Runner, initial: Path, run_dir: Path, track_memory: bool, label: str = ""
+) -> dict[str, Any]:
     """One trainer run as the worker's result: loss per step from metrics.jsonl, ms per step without the time spent
     fetching the batches (the worker's script builds its batches before the timed loop; `ms_with_data` keeps the
     whole step), the tracked peak (3 steps)."""
-    name = f"trainer {run_dir.name}" + (" memory" if track_memory else "")
-    command = trainer_command(args, initial, run_dir, track_memory)
-    records, _, _ = execute(name, command, run_dir, args.run_timeout, args.threads, bench="bench deepspeed")
+    run = Run(f"trainer {run_dir.name}" + (" memory" if track_memory else ""))
+    runner.launch(run, trainer_command(args, initial, run_dir, track_memory), run_dir, label)
+    records = run.records
     return {
         "ms": [r["ms_per_iter"] - r["data_ms"] for r in records],
         "ms_with_data": [r["ms_per_iter"] for r in records],
@@ -262,11 +266,13 @@ def chart(report: dict[str, Any], path: Path) -> None:
     )
 
 
-def _run(args: argparse.Namespace, label: str, command: list[str], run_dir: Path) -> dict[str, Any]:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"{label}", flush=True)
-    execute(label, command, run_dir, args.run_timeout, args.threads, bench="bench deepspeed", records=False)
-    return read_json(run_dir / "result.json")
+def run_worker(
+    args: argparse.Namespace, runner: Runner, backend: str, zero: int, dtype: str, run_dir: Path, label: str
+) -> dict[str, Any]:
+    """One run of the DeepSpeed-API worker script (or its bare / DDP / alternate loops): the result it wrote."""
+    run = Run(f"{backend} {run_dir.name}")
+    runner.launch(run, worker_command(args, backend, zero, dtype, run_dir / "result.json"), run_dir, label, "result")
+    return run.results[0]
 
 
 def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -277,31 +283,30 @@ def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     references: dict[str, dict[str, list[float]]] = {r: {d: [] for d in dtypes} for r in ("bare", "ddp")}
     alone: dict[str, list[dict]] = {d: [] for d in dtypes}
+    bench = runner(args, "bench deepspeed")
     for round_index in range(args.rounds):
         for dtype in dtypes:
             run_dir = args.out / "runs" / f"alternate_{dtype}_r{round_index + 1}"
             label = f"[round {round_index + 1}/{args.rounds}] bare and engine alternated, 1 rank, {dtype}"
-            alone[dtype].append(_run(args, label, worker_command(args, "alternate", 2, dtype, run_dir / "result.json"),
-                                     run_dir))  # fmt: skip
+            alone[dtype].append(run_worker(args, bench, "alternate", 2, dtype, run_dir, label))
             for reference, by_dtype in references.items():
                 run_dir = args.out / "runs" / f"{reference}_{dtype}_r{round_index + 1}"
-                found = _run(args, f"[round {round_index + 1}/{args.rounds}] {reference} loop {dtype}",
-                             worker_command(args, reference, 0, dtype, run_dir / "result.json"), run_dir)  # fmt: skip
+                label = f"[round {round_index + 1}/{args.rounds}] {reference} loop {dtype}"
+                found = run_worker(args, bench, reference, 0, dtype, run_dir, label)
                 by_dtype[dtype].append(statistics.median(found["ms"][args.warmup :]))
         for (zero, dtype), by_backend in runs.items():
-            initial = initial_weights(args, zero, dtype, args.out / "initial" / f"zero{zero}_{dtype}")
+            initial = initial_weights(args, bench, zero, dtype, args.out / "initial" / f"zero{zero}_{dtype}")
             shift = round_index % len(BACKENDS)
             for backend in BACKENDS[shift:] + BACKENDS[:shift]:
                 run_dir = args.out / "runs" / f"zero{zero}_{dtype}_{backend}_r{round_index + 1}"
                 label = f"[round {round_index + 1}/{args.rounds}] ZeRO {zero} {dtype} {backend}"
                 if backend == "trainer":
-                    print(label, flush=True)
-                    found = run_trainer(args, initial, run_dir, track_memory=False)
+                    found = run_trainer(args, bench, initial, run_dir, False, label)
                     if round_index == 0:
-                        found["peak_bytes_max"] = run_trainer(args, initial, run_dir / "memory", True)["peak_bytes_max"]
+                        memory = run_trainer(args, bench, initial, run_dir / "memory", True, f"{label} memory")
+                        found["peak_bytes_max"] = memory["peak_bytes_max"]
                 else:
-                    command = worker_command(args, backend, zero, dtype, run_dir / "result.json")
-                    found = _run(args, label, command, run_dir)
+                    found = run_worker(args, bench, backend, zero, dtype, run_dir, label)
                 by_backend[backend].append(found)
     rows = [
         row(zero, dtype, by_backend, references["bare"][dtype], references["ddp"][dtype], args)

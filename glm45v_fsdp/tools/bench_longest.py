@@ -20,7 +20,7 @@ from typing import Any
 
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.tools.bench_memory import RUNS, run_overrides
-from glm45v_fsdp.tools.bench_runner import execute, md_table, train_command, write_report
+from glm45v_fsdp.tools.bench_runner import Run, Runner, md_table, write_report
 
 GIB = 2**30
 # bench memory's CP rows: the Recompute shape with static chunked loss and recompute, CP n at the same global batch
@@ -64,16 +64,15 @@ def search(layout: str, args: argparse.Namespace, measure) -> Search:
 def training_measure(args: argparse.Namespace):
     """measure(layout, tokens) -> peak MiB per rank of a short training run of that layout at that length."""
 
+    runner = Runner("bench longest", args.out, args.ranks, args.threads, args.run_timeout)
+
     def measure(layout: str, tokens: int) -> float:
         run_args = copy.copy(args)
         run_args.tokens = tokens
-        run_dir = args.out / "runs" / f"{layout}_{tokens}"
-        overrides = run_overrides(LAYOUTS[layout], run_args, run_dir)
-        records, _, _ = execute(
-            f"{layout} {tokens}", train_command(args.ranks, overrides), run_dir, args.run_timeout, args.threads,
-            bench="bench longest",
-        )  # fmt: skip
-        return peak_mib(records)
+        run = Run(f"{layout}_{tokens}")
+        run_dir = runner.run_dir(run.name)
+        runner.train(run, run_overrides(LAYOUTS[layout], run_args, run_dir), run_dir)
+        return peak_mib(run.records)
 
     return measure
 

@@ -41,14 +41,12 @@ from glm45v_fsdp.tools.bench_runner import (
     Run,
     Runner,
     errors,
-    execute,
     md_table,
     memory_pair,
     pair_figures,
     rank_peaks,
     read_json,
     run_figures,
-    train_command,
     write_report,
 )
 
@@ -435,8 +433,8 @@ def initial_weights(args: argparse.Namespace, runner: Runner) -> Path:
         f"training.output_dir={run_dir}",
         *args.overrides,
     ]
-    print("initial weights (1 step at lr 0, exported as HF safetensors) ...", flush=True)
-    execute("initial weights", train_command(1, overrides), run_dir, args.run_timeout, runner.threads, "bench matrix")
+    label = "initial weights (1 step at lr 0, exported as HF safetensors)"
+    runner.train(Run("initial weights"), overrides, run_dir, label, ranks=1)
     return directory
 
 

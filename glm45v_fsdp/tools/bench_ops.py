@@ -30,7 +30,7 @@ from glm45v_fsdp.ops.kernels import KERNELS
 from glm45v_fsdp.ops.registry import choose_ops
 from glm45v_fsdp.ops.verify import relative_error
 from glm45v_fsdp.runtime.device import import_torch_npu
-from glm45v_fsdp.tools.bench_runner import errors, execute, train_command, write_report
+from glm45v_fsdp.tools.bench_runner import Run, Runner, errors, write_report
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -163,6 +163,7 @@ def training_rows(args: argparse.Namespace) -> list[dict]:
     """model.ops=auto against model.ops=reference: one training run each (the runner's), the loss parity and the
     speed-up of the summary's mean ms/iter."""
     rows = []
+    runner = Runner("bench ops", args.out, 1, int(os.environ.get("OMP_NUM_THREADS", "1")), args.run_timeout)
     for setting in ("auto", "reference"):
         out = args.out / f"train_{setting}"
         overrides = [
@@ -173,9 +174,9 @@ def training_rows(args: argparse.Namespace) -> list[dict]:
             f"model.ops={setting}",
             *args.overrides,
         ]
-        threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-        command = train_command(1, overrides)
-        records, _, _ = execute(f"model.ops={setting}", command, out, args.run_timeout, threads, bench="bench ops")
+        run = Run(f"model.ops={setting}")
+        runner.train(run, overrides, out)
+        records = run.records
         summary = json.loads((out / "summary.json").read_text())
         log = (out / "train.log").read_text().splitlines()
         ops_line = next((line for line in log if "ops (model.ops=" in line), "")

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_deepspeed import initial_weights, run_trainer, worker_command
-from glm45v_fsdp.tools.bench_runner import errors, execute, md_table, read_json, write_report
+from glm45v_fsdp.tools.bench_deepspeed import initial_weights, run_trainer, run_worker, runner
+from glm45v_fsdp.tools.bench_runner import Runner, errors, md_table, write_report
 
 DOORS = ("ds_compat", "trainer")
 DOOR_NAMES = {"deepspeed": "DeepSpeed", "ds_compat": "engine API (ds_compat)", "trainer": "trainer --deepspeed"}
@@ -34,17 +34,15 @@ LOSS_GOAL = 0.02  # mean relative loss error, bf16 (the reference: 1.618% over 2
 SPEED_GOAL = 1.0  # throughput ratio to DeepSpeed
 
 
-def run_backend(args: argparse.Namespace, backend: str, dtype: str, initial: Path) -> dict[str, Any]:
+def run_backend(args: argparse.Namespace, runner: Runner, backend: str, dtype: str, initial: Path) -> dict[str, Any]:
     """One `--steps` run of a backend: its ms per step, losses and grad norms (rank 0's view of the global ones)."""
     run_dir = args.out / "runs" / f"{dtype}_{backend}"
-    print(f"{dtype} {DOOR_NAMES[backend]}: {args.steps} steps ...", flush=True)
+    label = f"{dtype} {DOOR_NAMES[backend]}: {args.steps} steps"
     started = time.perf_counter()
     if backend == "trainer":
-        found = run_trainer(args, initial, run_dir, track_memory=False)
+        found = run_trainer(args, runner, initial, run_dir, False, label)
     else:
-        command = worker_command(args, backend, args.zero, dtype, run_dir / "result.json")
-        execute(f"{dtype} {backend}", command, run_dir, args.run_timeout, args.threads, "bench parity", records=False)
-        found = read_json(run_dir / "result.json")
+        found = run_worker(args, runner, backend, args.zero, dtype, run_dir, label)
     found["wall_s"] = time.perf_counter() - started
     return found
 
@@ -123,10 +121,11 @@ def charts(report: dict[str, Any], runs: dict[str, dict[str, dict[str, Any]]]) -
 def run_parity(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     runs: dict[str, dict[str, dict[str, Any]]] = {}
+    bench = runner(args, "bench parity")
     for index, dtype in enumerate(args.dtypes):
-        initial = initial_weights(args, args.zero, dtype, args.out / "initial" / f"zero{args.zero}_{dtype}")
+        initial = initial_weights(args, bench, args.zero, dtype, args.out / "initial" / f"zero{args.zero}_{dtype}")
         order = ("deepspeed", *DOORS) if index % 2 == 0 else (*reversed(DOORS), "deepspeed")  # drift hits all
-        runs[dtype] = {backend: run_backend(args, backend, dtype, initial) for backend in order}
+        runs[dtype] = {backend: run_backend(args, bench, backend, dtype, initial) for backend in order}
     rows = {}
     for dtype, by_backend in runs.items():
         rows[dtype] = {}

@@ -144,13 +144,14 @@ def execute(
 
 @dataclass
 class Run:
-    """One configuration's training runs (one per repeat) as they came back: step records, wall and CPU seconds
-    (user + sys of the ranks, start-up included: insensitive to waiting for a busy CPU, unlike ms/iter) and the
-    machine's 1-minute load before and after each."""
+    """One configuration's runs (one per repeat) as they came back: step records (a training run's metrics.jsonl)
+    or results (a worker's own result.json), wall and CPU seconds (user + sys of the ranks, start-up included:
+    insensitive to waiting for a busy CPU, unlike ms/iter) and the machine's 1-minute load before and after each."""
 
     name: str
-    overrides: list[str]
+    overrides: list[str] = field(default_factory=list)
     repeats: list[list[dict]] = field(default_factory=list)
+    results: list[dict] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)
     cpu_s: list[float] = field(default_factory=list)
     load_avg: list[list[float]] = field(default_factory=list)
@@ -162,8 +163,9 @@ class Run:
 
 
 class Runner:
-    """Starts training runs for one bench: each in its own process under `out/runs/<name>[.rK]`, on `ranks`
-    processes, with `threads` intra-op threads each and `timeout` seconds allowed."""
+    """Starts every run of one bench: each in its own process under `out/runs/<name>[.rK]` (or a directory the
+    bench names), training runs on `ranks` processes, with `threads` intra-op threads each and `timeout` seconds
+    allowed."""
 
     def __init__(self, bench: str, out: Path, ranks: int, threads: int | None, timeout: float | None) -> None:
         self.bench, self.out, self.ranks, self.threads, self.timeout = bench, out, ranks, threads, timeout
@@ -171,16 +173,27 @@ class Runner:
     def run_dir(self, name: str, repeat: int = 0) -> Path:
         return self.out / "runs" / (name if repeat == 0 else f"{name}.r{repeat + 1}")
 
-    def train(self, run: Run, overrides: list[str], run_dir: Path, label: str = "") -> None:
-        """One training run of `run` (its overrides already in `overrides`, with training.output_dir=run_dir)."""
+    def launch(self, run: Run, command: list[str], run_dir: Path, label: str = "", reads: str = "metrics") -> None:
+        """One process of `run`: what it wrote goes to `run` by `reads` ("metrics": the trainer's step records into
+        run.repeats; "result": a worker's <run_dir>/result.json into run.results; "nothing")."""
+        assert reads in ("metrics", "result", "nothing"), reads
         before = load1()
         print(f"{label or run.name}, load {before:.2f} ...", flush=True)
-        command = train_command(self.ranks, overrides)
-        records, wall, cpu = execute(run.name, command, run_dir, self.timeout, self.threads, bench=self.bench)
-        run.repeats.append(records)
+        records, wall, cpu = execute(
+            run.name, command, run_dir, self.timeout, self.threads, bench=self.bench, records=reads == "metrics"
+        )
+        if reads == "metrics":
+            run.repeats.append(records)
+        elif reads == "result":
+            run.results.append(read_json(run_dir / "result.json"))
         run.load_avg.append([before, load1()])
         run.wall_s.append(round(wall, 1))
         run.cpu_s.append(round(cpu, 1))
+
+    def train(self, run: Run, overrides: list[str], run_dir: Path, label: str = "", ranks: int | None = None) -> None:
+        """One training run of `run` (its overrides already in `overrides`, with training.output_dir=run_dir) on
+        `ranks` processes (default: the runner's)."""
+        self.launch(run, train_command(ranks or self.ranks, overrides), run_dir, label)
 
     def rounds(
         self,
