@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from dataclasses import dataclass
 
 from PIL import Image
 from torch import nn
@@ -23,6 +24,7 @@ from glm45v_fsdp.runtime.topology import FAMILIES, NodeLayout, placement
 from glm45v_fsdp.tools.estimate import (
     ACTIVATION_FORMULA,
     ActivationEstimate,
+    ParamSpec,
     ShardLayout,
     activation_bytes,
     param_specs,
@@ -100,6 +102,43 @@ def activation_estimate(
     return estimate
 
 
+@dataclass(frozen=True)
+class PlannedParams:
+    """Every parameter as FSDP2 will shard it for one layout: the specs (each with its unit's leader name, '' =
+    root), how they split over the ranks, the FSDP units built and the unit size that built them."""
+
+    specs: list[ParamSpec]
+    layout: ShardLayout
+    fsdp_units: list[str]
+    groups: list[list[str]]
+    expert_units: list[str]
+    unit_mib: float
+    device_type: str
+
+
+def planned_params(
+    model: nn.Module, config: Config, dims: ParallelDims, matched: dict[str, list[PlanMatch]]
+) -> PlannedParams:
+    """`model` is the meta model after every plan but FSDP (freeze decides what is trainable); `matched` is what
+    each plan's patterns matched (the FSDP units among them)."""
+    expert_units = sorted({name for match in matched.get("expert_parallel", []) for name in match.names})
+    plan = config.parallel.fsdp_plan
+    # The units apply_fsdp builds: merged to the unit size, what cannot fill a unit left to the enclosing one. The
+    # default unit size is the target device's (training.device; auto: npu, the backend's target).
+    device_type = config.training.device if config.training.device != "auto" else "npu"
+    size = unit_mib(plan, device_type)
+    required = set(REQUIRED_FSDP_UNITS)
+    groups = unit_groups(model, matched["fsdp"], required | set(expert_units), size, required=required)
+    fsdp_units = sorted(name for group in groups for name in group)
+    leader = {name: group[0] for group in groups for name in group}
+    sharded = dims.world_size > 1 or plan.cpu_offload
+    layout = ShardLayout(dims.fsdp_size if sharded else 1, dims.ep, dims.efsdp, sharded)
+    routed = [f"{name}.experts" for match in matched.get("moe", []) for name in match.names]
+    specs = param_specs(model, fsdp_units, expert_units, routed)
+    specs = [dataclasses.replace(spec, unit=leader.get(spec.unit, spec.unit)) for spec in specs]
+    return PlannedParams(specs, layout, fsdp_units, groups, expert_units, size, device_type)
+
+
 def memory_report(
     model: nn.Module,
     hf_config,
@@ -112,26 +151,14 @@ def memory_report(
 ) -> dict:
     """Per-rank memory (bytes) of `dims.world_size` ranks, min/max over ranks and the assumptions behind it.
 
-    `model` is the meta model after every plan but FSDP (freeze decides what is trainable); `matched` is what each
-    plan's patterns matched (the FSDP units among them).
+    `model` and `matched` as `planned_params` takes them.
     """
-    expert_units = sorted({name for match in matched.get("expert_parallel", []) for name in match.names})
     plan = config.parallel.fsdp_plan
-    # The units apply_fsdp builds: merged to the unit size, what cannot fill a unit left to the enclosing one. The
-    # default unit size is the target device's (training.device; auto: npu, the backend's target).
-    device_type = config.training.device if config.training.device != "auto" else "npu"
-    size = unit_mib(plan, device_type)
-    required = set(REQUIRED_FSDP_UNITS)
-    groups = unit_groups(model, matched["fsdp"], required | set(expert_units), size, required=required)
-    fsdp_units = sorted(name for group in groups for name in group)
-    leader = {name: group[0] for group in groups for name in group}
-    sharded = dims.world_size > 1 or plan.cpu_offload
-    shard_size = dims.fsdp_size if sharded else 1
-    layout = ShardLayout(shard_size, dims.ep, dims.efsdp, sharded)
+    planned = planned_params(model, config, dims, matched)
+    specs, layout, groups, fsdp_units = planned.specs, planned.layout, planned.groups, planned.fsdp_units
+    size, device_type, expert_units = planned.unit_mib, planned.device_type, planned.expert_units
+    sharded, shard_size = layout.sharded, layout.dense
     offloaded = sharded and plan.cpu_offload
-    routed = [f"{name}.experts" for match in matched.get("moe", []) for name in match.names]
-    specs = param_specs(model, fsdp_units, expert_units, routed)
-    specs = [dataclasses.replace(spec, unit=leader.get(spec.unit, spec.unit)) for spec in specs]
     compute, reduce = DTYPES[plan.param_dtype].itemsize, DTYPES[plan.reduce_dtype].itemsize
     transient = transient_bytes(specs, layout, compute, reduce, plan.reshard_after_forward, plan.prefetch)
     patches, image_text = image_patches(config, hf_config, images_per_sample, image_size, dims.cp)
