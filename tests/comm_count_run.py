@@ -4,18 +4,22 @@ RUNS.json lists {"name": ..., "argv": [...]}; each run is `glm45v_fsdp.train.run
 `Trainer.train_step` under `CollectiveCounter`, so only what one optimizer step sends is counted (start-up, data
 checks and the per-step figures' gather are outside it). The process groups are named by the meshes the run built:
 OUT/<name>.rank<R>.json holds `collectives`: [{kind, families, ranks, calls, bytes}] per (op kind, process group)
-and `micro_batches`: each micro batch's input_ids shape and image patches.
+and `micro_batches`: each micro batch's input_ids shape and image patches; with "count_flops" in the run, `flops`:
+the step's matmul FLOPs by torch.utils.flop_counter (the CPU attention kernels and the ring op are not counted).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
 from glm45v_fsdp import builders
 from glm45v_fsdp.runtime import mesh as mesh_module
@@ -23,6 +27,15 @@ from glm45v_fsdp.runtime.comm_count import CollectiveCounter
 from glm45v_fsdp.train import end_process, run
 from glm45v_fsdp.trainer import Trainer
 
+
+def grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+    """torch._grouped_mm (the experts' kernel, which the counter has no formula for): every row of `a` meets one
+    group's [K, N] matrix, whether the groups split a's rows (2-D x 3-D, forward and input gradient) or its columns
+    (2-D x 2-D, the weight gradient: [K, M] x [M, N] into [G, K, N])."""
+    return 2 * math.prod(a_shape) * b_shape[-1]
+
+
+GROUPED_MM = {torch.ops.aten._grouped_mm: grouped_mm_flops}
 VIEWS = ("dp", "fsdp", "cp", "dp_replicate", "cp_ring", "cp_ulysses", "efsdp", "ep")
 
 
@@ -52,6 +65,8 @@ def main(runs_path: str, out: str) -> None:
     builders.ParallelMeshes = capture
     counter = CollectiveCounter()
     shapes: list[dict] = []  # the counted step's micro batches as they reached train_step
+    flops: list[int] = []
+    count_flops = False
     original_step = Trainer.train_step
 
     def counted_step(self, micro_batches):
@@ -62,14 +77,21 @@ def main(runs_path: str, out: str) -> None:
             }
             for batch in micro_batches
         )
-        with counter:
-            return original_step(self, micro_batches)
+        if not count_flops:
+            with counter:
+                return original_step(self, micro_batches)
+        with counter, FlopCounterMode(display=False, custom_mapping=GROUPED_MM) as flop_counter:
+            result = original_step(self, micro_batches)
+        flops.append(flop_counter.get_total_flops())
+        return result
 
     Trainer.train_step = counted_step
     for item in json.loads(Path(runs_path).read_text()):
         counter.tally.clear()
         built.clear()
         shapes.clear()
+        flops.clear()
+        count_flops = bool(item.get("count_flops"))
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             run(item["argv"])
         by_name, by_ranks = group_families(built[-1])
@@ -83,7 +105,7 @@ def main(runs_path: str, out: str) -> None:
             }
             for (kind, group), tally in counter.tally.items()
         ]
-        result = {"collectives": rows, "micro_batches": shapes}
+        result = {"collectives": rows, "micro_batches": shapes, "flops": flops[0] if flops else None}
         Path(out, f"{item['name']}.rank{rank}.json").write_text(json.dumps(result, indent=1))
     end_process(0)
 

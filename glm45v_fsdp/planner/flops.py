@@ -13,10 +13,14 @@ Attention scores and the weighted sum: 4 S^2 a d x causal per sample of S tokens
 (Ulysses gives each rank a/cp heads of the whole sequence, Ring 1/cp of the blocks); `causal` is the share of the
 S x S scores a kernel computes: 0.5 for kernels that skip masked blocks (flash attention, the ring's zigzag
 blocks), 1.0 for what torch.utils.flop_counter counts (it does not look at the mask). Vision attention is full
-within each image: 4 n^2 h_v per image of n patches.
+within each image: 4 n^2 h_v per image of n patches. A rank with no image in its micro batch runs the tower on a
+one-token dummy image (merge^2 patches), so that every rank's FSDP collectives line up.
 Backward: 2 x forward (gradients of inputs and of weights), less the patch embedding's input gradient (the pixels
 need none). Recompute: full replays the forward of the matched
-modules (decoder layers, vision blocks) in backward, less the attention kernel with keep_attention; selective keeps
+modules (decoder layers, vision blocks) in backward, less the attention kernel with keep_attention and less each
+MLP's down projection: torch's non-reentrant checkpoint stops the replay once every tensor backward needs exists
+again, and a down projection's output only feeds the residual sum (the routed experts' output does not: the
+combine multiplies it by the routing weights, so it is replayed); selective keeps
 every matmul output and recomputes only element-wise work (0 FLOPs here). The chunked loss computes the same lm_head
 matmuls (its gradients in forward, none in backward): no change. Element-wise work (norms, activations, softmax,
 the optimizer) is not counted: it is bound by memory, and the step-time model counts the optimizer separately.
@@ -24,10 +28,13 @@ the optimizer) is not counted: it is bound by memory, and the step-time model co
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from torch import nn
+
+NOT_REPLAYED = (".mlp.down_proj.", ".shared_experts.down_proj.")  # last matmuls before a residual sum
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,8 @@ def step_flops(
     recompute plan matched (their forward runs again under full recompute)."""
     text, vision = hf_config.text_config, hf_config.vision_config
     merge = vision.spatial_merge_size
+    if not shape.image_patches:  # the tower runs on a one-token dummy image (model/loss.py: no_image_features)
+        shape = dataclasses.replace(shape, patches=merge**2, image_patches=[merge**2])
     forward = {"vision matmuls": 0.0, "text matmuls": 0.0, "routed experts": 0.0, "lm_head": 0.0}
     replayed = no_input_grad = 0.0
     prefixes = tuple(f"{name}." for name in recompute_modules)
@@ -111,7 +120,7 @@ def step_flops(
             forward["lm_head"] += flops
         else:
             forward["text matmuls"] += flops
-        if name.startswith(prefixes):
+        if name.startswith(prefixes) and not any(part in name for part in NOT_REPLAYED):
             replayed += flops
         if name.startswith("model.visual.patch_embed"):
             no_input_grad += flops
