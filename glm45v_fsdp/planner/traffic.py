@@ -264,10 +264,14 @@ def step_traffic(
     specs: list[ParamSpec], layout: ShardLayout, dims: ParallelDims, hf_config: object, shape: StepShape
 ) -> list[Collective]:
     """Every collective one optimizer step runs on one rank."""
+    return [*fsdp_traffic(specs, layout, dims, shape), *other_traffic(specs, dims, hf_config, shape)]
+
+
+def other_traffic(specs: list[ParamSpec], dims: ParallelDims, hf_config: object, shape: StepShape) -> list[Collective]:
+    """Every collective but FSDP's (which depends on the parameters' shards, not on the tokens)."""
     text = hf_config.text_config
     moe_layers = text.num_hidden_layers - min(text.first_k_dense_replace, text.num_hidden_layers)
     return [
-        *fsdp_traffic(specs, layout, dims, shape),
         *expert_traffic(hf_config, dims, shape, moe_layers),
         *context_traffic(hf_config, dims, shape),
         *reduction_traffic(specs, dims),

@@ -58,11 +58,10 @@ def check_plans(
     return matched, errors
 
 
-def image_patches(
-    config: Config, hf_config, images_per_sample: int | None, image_size: int | None, cp: int = 1
-) -> tuple[int, str]:
-    """Patches per micro batch and rank for the activation estimate, and how they were derived. Under context
-    parallelism the images are split over the `cp` ranks (whole images, so a rank encodes ceil(images / cp)).
+def sample_images(
+    config: Config, hf_config, images_per_sample: int | None, image_size: int | None
+) -> tuple[list[int], str]:
+    """The patches of each image of one sample, and how they were derived.
 
     Defaults: the synthetic data's images; for JSON data one image per sample of the vision config's image_size.
     """
@@ -73,20 +72,31 @@ def image_patches(
         images = data.synthetic_images_per_sample if synthetic else 1
     size = image_size or (data.synthetic_image_size if synthetic else vision.image_size)
     if images == 0:
-        return 0, "no images"
+        return [], "no images"
     processor = load_image_processor(config.model.name_or_path, vision)
     _, grid = process_images(processor, [Image.new("RGB", (size, size))])
     patches = int(grid.prod())
     tokens = patches // vision.spatial_merge_size**2
     kept = min(images, config.data.cutoff_len // (tokens + 2))  # an image block never gets cut: it is dropped
-    per_micro_batch = kept * config.training.micro_batch_size
+    return [
+        patches
+    ] * kept, f"{kept} image(s) of {size}x{size} px per sample -> {patches} patches ({tokens} tokens) each"
+
+
+def image_patches(
+    config: Config, hf_config, images_per_sample: int | None, image_size: int | None, cp: int = 1
+) -> tuple[int, str]:
+    """Patches per micro batch and rank for the activation estimate, and how they were derived. Under context
+    parallelism the images are split over the `cp` ranks (whole images, so a rank encodes ceil(images / cp))."""
+    images, text = sample_images(config, hf_config, images_per_sample, image_size)
+    if not images:
+        return 0, text
+    per_micro_batch = len(images) * config.training.micro_batch_size
     per_rank = -(-per_micro_batch // cp)
-    text = (
-        f"{kept} image(s) of {size}x{size} px per sample -> {patches} patches ({tokens} tokens) each, "
-        f"x micro_batch_size {config.training.micro_batch_size}"
-        + (f", split over cp {cp}: {per_rank} image(s) per rank" if cp > 1 else "")
+    text += f", x micro_batch_size {config.training.micro_batch_size}" + (
+        f", split over cp {cp}: {per_rank} image(s) per rank" if cp > 1 else ""
     )
-    return per_rank * patches, text
+    return per_rank * images[0], text
 
 
 def activation_estimate(
