@@ -61,6 +61,7 @@ print("ok")
 HELP_COMMANDS = [
     ("glm45v_fsdp.train", []),
     ("glm45v_fsdp.tools.preflight", []),
+    ("glm45v_fsdp.tools.plan", []),
     ("glm45v_fsdp.tools.convert", []),
     ("glm45v_fsdp.tools.convert", ["dcp-to-hf"]),
     ("glm45v_fsdp.tools.compare_batches", []),

@@ -6,7 +6,9 @@ thread each over gloo, as the CPU tests and benchmarks run.
   hbm_tbps      a 64 MiB tensor copy (read + write), the optimizer's bound;
   intra_gbps    the bus bandwidth of a 4 MiB all-gather and all-to-all between the two ranks (the mean of both):
                 bytes x (n-1)/n / (time - latency);
-  latency       the mean time of a 4-byte all-reduce.
+  latency       the mean time of a 4-byte all-reduce;
+  causal_share  the time of a causal attention (forward and backward, sdpa, 1024 tokens) over a full one: the share
+                of the scores the CPU kernel computes.
 The rates are effective ones, so both efficiencies are 1. One machine is one node: inter-node figures equal the
 intra-node ones and nothing crosses nodes. Nothing overlaps: gloo's threads run on the cores the compute uses.
 """
@@ -43,6 +45,15 @@ def _timed(action, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _attention_s(causal: bool) -> float:
+    q, k, v = (torch.randn(1, 2, 1024, 16, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+
+    return _timed(step, 10)
+
+
 def _measure(rank: int, port: int, result_path: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -50,6 +61,7 @@ def _measure(rank: int, port: int, result_path: str) -> None:
     m, k, n = MATMUL_SHAPE
     a, b = torch.randn(m, k), torch.randn(k, n)
     matmul_s = _timed(lambda: a @ b, 50)
+    causal_share = _attention_s(True) / _attention_s(False)
     source = torch.empty(16 << 20, dtype=torch.float32)
     target = torch.empty_like(source)
     copy_s = _timed(lambda: target.copy_(source), 10)
@@ -78,6 +90,7 @@ def _measure(rank: int, port: int, result_path: str) -> None:
             comm_efficiency=1.0,
             reserve_gib=1.0,
             overlap=False,  # gloo's threads take the cores the compute runs on
+            causal_share=causal_share,
         )
         Path(result_path).write_text(json.dumps({"device": device.__dict__}, indent=1) + "\n")
     dist.barrier()

@@ -32,6 +32,7 @@ class Device:
     comm_efficiency: float = 0.7  # share of the line rate a collective reaches
     reserve_gib: float = 4.0  # kept free: allocator fragmentation, workspaces, communicator buffers
     overlap: bool = True  # collectives run beside compute (own engines and streams); False: they share its cores
+    causal_share: float = 0.5  # of a causal attention's S x S scores, what the kernel computes (flash: the half)
 
     def peak_flops(self, dtype: str) -> float:
         return (self.bf16_tflops if dtype in ("bf16", "fp16") else self.fp32_tflops) * 1e12
@@ -49,7 +50,7 @@ class Device:
                     f"--custom {key}={value}: unknown field; use any of {', '.join(f for f in fields if f != 'name')}."
                 )
             try:
-                if key == "overlap":
+                if key == "overlap":  # a bool among the numbers
                     changed[key] = {"true": True, "false": False}[value.lower()]
                 else:
                     changed[key] = int(value) if key == "devices_per_node" else float(value)

@@ -78,9 +78,8 @@ class Planner:
         device: Device,
         images_per_sample: int | None = None,
         image_size: int | None = None,
-        causal: float = 0.5,
     ) -> None:
-        self.config, self.hf_config, self.job, self.device, self.causal = config, hf_config, job, device, causal
+        self.config, self.hf_config, self.job, self.device = config, hf_config, job, device
         job_config = Layout.of_config(config).apply(config, job)
         self.images, self.images_text = sample_images(job_config, hf_config, images_per_sample, image_size)
         self.images_per_sample, self.image_size = images_per_sample, image_size
@@ -136,17 +135,18 @@ class Planner:
 
         return self._cached(("crossing", dims), make)
 
-    def _flops(self, cp: int, micro: int, recompute: str, keep_attention: bool) -> Flops:
+    def _flops(self, cp: int, ring: int, micro: int, recompute: str, keep_attention: bool) -> Flops:
         def make() -> Flops:
             planned = self._planned(1, None)
             training = dataclasses.replace(self.config.training, micro_batch_size=micro)
             dims = Layout(ulysses=cp).dims(Job(1, cp, self.job.tokens, 1))
             shape = flops_shape(dataclasses.replace(self.config, training=training), dims, self.job.tokens,
                                 self.images * micro)  # fmt: skip
-            return step_flops(planned.model, self.hf_config, shape, self.causal, recompute,
+            causal = ring_causal_share(self.device.causal_share, ring)
+            return step_flops(planned.model, self.hf_config, shape, causal, recompute,
                               planned.recompute_modules(), keep_attention)  # fmt: skip
 
-        return self._cached(("flops", cp, micro, recompute, keep_attention), make)
+        return self._cached(("flops", cp, ring, micro, recompute, keep_attention), make)
 
     def check(self, layout: Layout) -> None:
         """ConfigError when a plan rejects the layout (heads, experts)."""
@@ -190,7 +190,7 @@ class Planner:
         found.memory["total"] = sum(found.memory.values())
         found.fits = found.memory["total"] <= self.device.usable_bytes
         recompute = config.features.recompute
-        flops = self._flops(dims.cp, layout.micro_batch, layout.recompute, recompute.keep_attention)
+        flops = self._flops(dims.cp, layout.ring, layout.micro_batch, layout.recompute, recompute.keep_attention)
         found.flops = flops
         accumulation = layout.accumulation(job)
         merge = self.hf_config.vision_config.spatial_merge_size**2
@@ -247,6 +247,17 @@ class Planner:
             if result.error is None and result.fits:
                 changes.append((name, result))
         return sorted(changes, key=lambda item: item[1].step.total_ms)
+
+
+def ring_causal_share(kernel_share: float, ring: int) -> float:
+    """The share of a causal attention's scores computed under Ring attention: the zigzag layout cuts the sequence
+    into 2 x ring chunks; of the (2 ring)^2 chunk pairs the ring computes the 2 ring (2 ring - 1) / 2 below the
+    diagonal in full and the 2 ring diagonal ones with the kernel's causal mask (`kernel_share` of each). Without
+    a ring: the kernel's share."""
+    if ring == 1:
+        return kernel_share
+    chunks = 2 * ring
+    return (chunks * (chunks - 1) / 2 + chunks * kernel_share) / chunks**2
 
 
 def _largest_units(specs: list, shards: ShardLayout, itemsize: int) -> dict[str, int]:

@@ -43,12 +43,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--explain", default=None, metavar="LAYOUT", help="every term of one layout (a printed name)")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's rates (the cpu preset)")
     parser.add_argument("--validate", action="store_true", help="model vs measured ms/iter of tiny layouts here")
-    parser.add_argument("--steps", type=int, default=12, help="--validate: steps per run")
+    parser.add_argument("--steps", type=int, default=20, help="--validate: steps per run")
+    parser.add_argument("--repeats", type=int, default=2, help="--validate: runs per layout (alternating order)")
     parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, help="the cpu preset's file")
     parser.add_argument("--out", type=Path, default=Path("output/plan"), help="--validate: report directory")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides applied after the YAML file")
     args = parser.parse_args(argv)
-    for flag in ("nodes", "nproc_per_node", "tokens", "global_batch", "top"):
+    for flag in ("nodes", "nproc_per_node", "tokens", "global_batch", "top", "steps", "repeats"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a positive integer.")

@@ -40,9 +40,7 @@ def build_planner(args: argparse.Namespace) -> tuple[Planner, Job]:
     world = args.nodes * per_node
     default_batch = config.training.micro_batch_size * config.training.gradient_accumulation_steps * world
     job = Job(args.nodes, per_node, tokens, args.global_batch or default_batch)
-    causal = 1.0 if args.device == "cpu" else 0.5  # flash kernels skip masked blocks; the CPU runs are measured
-    planner = Planner(config, load_hf_config(config.model), job, device, args.images_per_sample, args.image_size,
-                      causal)  # fmt: skip
+    planner = Planner(config, load_hf_config(config.model), job, device, args.images_per_sample, args.image_size)
     return planner, job
 
 
