@@ -1,12 +1,14 @@
-"""`deepspeed.accelerator.get_accelerator()`: the device family of this backend's device layer, DeepSpeed's names.
+"""`deepspeed.accelerator`: the device family of this backend's device layer, with DeepSpeed's names.
 
-The family is chosen as `ds_compat.comm.device_layer` chooses it (DS_ACCELERATOR, else npu > cuda > cpu). Only the
-calls the HF / accelerate integrations and common scripts make are here; anything else raises AttributeError.
+`get_accelerator()` is chosen as `ds_compat.comm.device_layer` chooses it (DS_ACCELERATOR, else npu > cuda > cpu);
+`set_accelerator` replaces it (one of ours: DeepSpeed's AssertionError for anything else, as its check for a
+DeepSpeedAccelerator subclass gives); `is_current_accelerator_supported()` checks the device name against
+DeepSpeed's list. Only the calls the HF / accelerate integrations and common scripts make are here; anything else
+raises AttributeError.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -83,9 +85,35 @@ class Accelerator:
         return tensor.device.type == self._name
 
 
-@functools.cache
+# deepspeed.accelerator.real_accelerator.SUPPORTED_ACCELERATOR_LIST
+SUPPORTED_ACCELERATOR_LIST = ["cuda", "cpu", "xpu", "npu", "mps", "hpu", "mlu", "sdaa", "supa", "klxpu"]
+DeepSpeedAccelerator = Accelerator  # what scripts subclass or check against
+_current: Accelerator | None = None
+
+
 def get_accelerator() -> Accelerator:
-    return Accelerator(device_layer())
+    global _current
+    if _current is None:
+        _current = Accelerator(device_layer())
+    return _current
 
 
-__all__ = ["Accelerator", "get_accelerator"]
+def set_accelerator(accelerator: Accelerator) -> None:
+    global _current
+    if not isinstance(accelerator, Accelerator):
+        raise AssertionError(f"{type(accelerator).__name__} accelerator is not subclass of DeepSpeedAccelerator")
+    _current = accelerator
+
+
+def is_current_accelerator_supported() -> bool:
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST
+
+
+__all__ = [
+    "Accelerator",
+    "DeepSpeedAccelerator",
+    "SUPPORTED_ACCELERATOR_LIST",
+    "get_accelerator",
+    "is_current_accelerator_supported",
+    "set_accelerator",
+]

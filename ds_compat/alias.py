@@ -30,7 +30,7 @@ RENAMED = {
     "deepspeed": "ds_compat",
     "deepspeed.runtime.zero": "ds_compat.zero",
     "deepspeed.runtime.engine": "ds_compat.engine",
-    "deepspeed.runtime.lr_schedules": "ds_compat.schedules",
+    "deepspeed.runtime.lr_schedules": "ds_compat.lr_schedules",
     "deepspeed.runtime.activation_checkpointing.checkpointing": "ds_compat.checkpointing",
     "deepspeed.runtime.activation_checkpointing": "ds_compat.checkpointing",
     "deepspeed.launcher": "ds_compat.launchers",
