@@ -137,6 +137,11 @@ def _warmup_type(value: str) -> str:
     return value
 
 
+def _warn_unstarted(step: int) -> None:
+    if step < 1:  # the warm-up schedules' warning before the first step()
+        logger.warning("Attempting to get learning rate from scheduler before it has started")
+
+
 class _Schedule:
     """What the five classes share: the optimizer, DeepSpeed's counter, step / get_last_lr / state."""
 
@@ -311,18 +316,17 @@ class WarmupLR(_Schedule):
             self._last_lr = update_lr(self.optimizer.param_groups, self.get_lr())
 
     def _lrs(self, step: int) -> list[float]:
-        if step < 1:
-            logger.warning("Attempting to get learning rate from scheduler before it has started")
-        return [
-            schedules.warmup_lr(
-                step,
-                warmup_min_lr=low,
-                warmup_max_lr=high,
-                warmup_num_steps=self.warmup_num_steps,
-                warmup_type=self.warmup_type,
-            )  # fmt: skip
-            for low, high in zip(self.min_lrs, self.max_lrs)
-        ]
+        _warn_unstarted(step)
+        return [self._warmup(step, low, high) for low, high in zip(self.min_lrs, self.max_lrs)]
+
+    def _warmup(self, step: int, low: float, high: float) -> float:
+        return schedules.warmup_lr(
+            step,
+            warmup_min_lr=low,
+            warmup_max_lr=high,
+            warmup_num_steps=self.warmup_num_steps,
+            warmup_type=self.warmup_type,
+        )
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         self._advance(last_batch_iteration)
@@ -344,20 +348,15 @@ class WarmupDecayLR(WarmupLR):
         if self.total_num_steps < self.warmup_num_steps:
             logger.warning("total_num_steps %s is less than warmup_num_steps %s", total_num_steps, warmup_num_steps)
 
-    def _lrs(self, step: int) -> list[float]:
-        if step < 1:
-            logger.warning("Attempting to get learning rate from scheduler before it has started")
-        return [
-            schedules.warmup_decay_lr(
-                step,
-                total_num_steps=self.total_num_steps,
-                warmup_min_lr=low,
-                warmup_max_lr=high,
-                warmup_num_steps=self.warmup_num_steps,
-                warmup_type=self.warmup_type,
-            )  # fmt: skip
-            for low, high in zip(self.min_lrs, self.max_lrs)
-        ]
+    def _warmup(self, step: int, low: float, high: float) -> float:
+        return schedules.warmup_decay_lr(
+            step,
+            total_num_steps=self.total_num_steps,
+            warmup_min_lr=low,
+            warmup_max_lr=high,
+            warmup_num_steps=self.warmup_num_steps,
+            warmup_type=self.warmup_type,
+        )
 
 
 class WarmupCosineLR(_Schedule):
@@ -387,12 +386,16 @@ class WarmupCosineLR(_Schedule):
         return self._ratio(self.last_batch_iteration + 1)
 
     def _ratio(self, step: int) -> float:
-        if step < 1:
-            logger.warning("Attempting to get learning rate from scheduler before it has started")
-        return schedules.warmup_cosine_lr(step, base_lr=1.0, total_num_steps=self.total_num_steps,
-                                          warmup_min_ratio=self.warmup_min_ratio,
-                                          warmup_num_steps=self.warmup_num_steps, cos_min_ratio=self.cos_min_ratio,
-                                          warmup_type=self.warmup_type)  # fmt: skip
+        _warn_unstarted(step)
+        return schedules.warmup_cosine_lr(
+            step,
+            base_lr=1.0,
+            total_num_steps=self.total_num_steps,
+            warmup_min_ratio=self.warmup_min_ratio,
+            warmup_num_steps=self.warmup_num_steps,
+            cos_min_ratio=self.cos_min_ratio,
+            warmup_type=self.warmup_type,
+        )
 
     def _lrs(self, step: int) -> list[float]:
         ratio = self._ratio(step)
