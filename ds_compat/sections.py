@@ -388,13 +388,16 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
     return precision
 
 
+DEFAULT_GRADIENT_CLIPPING = 1.0  # DeepSpeed 0.19's
+
+
 def map_clipping(ds: dict, report: Report) -> float:
     if "gradient_clipping" not in ds:
         report.note(
             "gradient_clipping is not set: DeepSpeed 0.19 clips at its default 1.0, and so does the trainer.",
             door="trainer",
         )
-    clip = as_float("gradient_clipping", ds.get("gradient_clipping", 1.0))
+    clip = as_float("gradient_clipping", ds.get("gradient_clipping", DEFAULT_GRADIENT_CLIPPING))
     if clip < 0:
         report.note(f"gradient_clipping = {clip} < 0 disables clipping in DeepSpeed; training.clip_grad=0 does here.")
         clip = 0.0
@@ -407,7 +410,7 @@ def _enabled(ds: dict, key: str) -> tuple[dict, bool]:
     return section, as_bool(f"{key}.enabled", section.get("enabled", False))
 
 
-DEFAULT_STEPS_PER_PRINT = 10  # DeepSpeed 0.19's default
+DEFAULT_STEPS_PER_PRINT = math.inf  # DeepSpeed 0.19.8's default is None: no progress line
 
 
 def map_logging(ds: dict, report: Report) -> float:
