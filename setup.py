@@ -45,6 +45,9 @@ setup(
         "numpy>=1.24",
         "tqdm>=4.60",
         "hjson>=3.0",  # ds_config files may be hjson, as DeepSpeed accepts
+        # ds_compat's DeepSpeed config sections (deepspeed.runtime.zero.config, ...) are pydantic models, as
+        # DeepSpeed's are, so a bad section fails with the same ValidationError
+        "pydantic>=2.0,<3",
     ],
     extras_require={
         # accelerate: the HF Trainer / accelerate tests of the ds-fsdp switch (tests/test_hf_integration.py);

@@ -14,6 +14,11 @@ from typing import Any, Literal
 from glm45v_fsdp.errors import ConfigError
 
 
+class DeepSpeedAssertion(ConfigError, AssertionError):
+    """A config error DeepSpeed reports with `assert` (the batch arithmetic, ...): `except AssertionError` catches
+    it as it catches DeepSpeed's, and it is a ConfigError (a user error with a clear message) here."""
+
+
 def key_error(path: str, value: Any, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"DeepSpeed config key '{path}' = {value!r} {problem}. {fix}")
 

@@ -32,7 +32,7 @@ from torch.utils.data import DistributedSampler, IterableDataset
 from ds_compat.comm import device_layer, get_local_rank
 from ds_compat.config import Translation, translate
 from ds_compat.dataloader import DeepSpeedDataLoader
-from ds_compat.utils import z3_leaf_module
+from ds_compat.utils import groups, z3_leaf_module
 from ds_compat.zero.partition_parameters import gather_full, is_partitioned
 from glm45v_fsdp.checkpoint.dcp import LoadAdvice, load_checkpoint, save_model_and_optimizer
 from glm45v_fsdp.checkpoint.deepspeed import load_into, read_deepspeed, tag_dir_of
@@ -246,6 +246,7 @@ class DeepSpeedEngine(nn.Module):
         self._config = self.translation.apply(Config())
         self.dims = build_parallel_dims(self._config.parallel, self.world_size)
         self.meshes = ParallelMeshes(self.dims, self.device_layer.type)
+        groups.use_meshes(self.meshes)  # deepspeed.utils.groups answers from this engine's meshes
         self.dp_world_size = self.dims.dp
         self.mp_world_size = 1
         self.client_optimizer = optimizer

@@ -9,6 +9,8 @@ would. Nothing here spawns or watches ranks. See docs/launcher.md.
 from __future__ import annotations
 
 import argparse
+import base64
+import collections
 import importlib.util
 import json
 import logging
@@ -25,15 +27,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_compat.alias import BACKENDS, ENV_BACKEND, SHIM_DIR, backend_from_env
-from ds_compat.hostfile import Resources, check_filter_flags, read_hostfile, resolve_world
+from ds_compat.hostfile import (
+    Resources,
+    check_filter_flags,
+    filter_resources,
+    limit_resources,
+    parse_hostfile,
+    read_hostfile,
+    resolve_world,
+)
+from ds_compat.utils.numa import parse_range_list
 from glm45v_fsdp.errors import EXIT_USER_ERROR, UserError
 
 log = logging.getLogger("ds-fsdp")
 
-DEFAULT_HOSTFILE = "/job/hostfile"
+DLTS_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
-LAUNCHERS = ("pdsh", "openmpi", "slurm", "mpich", "impi")
-PDSH_FAN_OUT = 1024
+LAUNCHERS = ("pdsh", "openmpi", "slurm", "mpich", "impi", "mvapich")
+PDSH_MAX_FAN_OUT = 1024
 # Each node's ssh session notices a node that dropped off the network within ~30 s (without it: TCP's own timeout,
 # hours, and pdsh waits that long for the lost node); PDSH_SSH_ARGS_APPEND with ServerAlive* of your own wins.
 SSH_KEEPALIVE = "-o ServerAliveInterval=10 -o ServerAliveCountMax=3"
@@ -43,14 +54,23 @@ EXPORT_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "HCCL", "ASCEND")
 CANN_PREFIXES = ("LD_LIBRARY", "PATH")  # deepspeed exports them on NPU; here when CANN's set_env.sh is sourced
 CANN_MARKERS = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
 AISC_EXCLUDED = ("NCCL_IB_HCA", "UCX_NET_DEVICES")  # per-node values on AISC (AISC_JOB_NAME set): never copied
-MPI_RANK_SHIM = (  # MPICH / PALS name the ranks PMI_RANK / PMIX_RANK; torch and our trainer read RANK / LOCAL_RANK
+MPI_RANK_SHIM = (  # MPICH / MVAPICH / PALS name the ranks PMI_RANK / PMIX_RANK; torch and our trainer read RANK
     'export RANK="${PMIX_RANK:-${PMI_RANK:?is not set by mpirun}}" '
-    'LOCAL_RANK="${PALS_LOCAL_RANKID:-${MPI_LOCALRANKID:?is not set by mpirun}}"; exec "$@"'
+    'LOCAL_RANK="${PALS_LOCAL_RANKID:-${MPI_LOCALRANKID:-${MV2_COMM_WORLD_LOCAL_RANK:?is not set by mpirun}}}"; '
+    'exec "$@"'
 )
+# What deepspeed's MVAPICH runner exports (MV2_USE_CUDA=1 is added on CUDA): shared-memory transfers without the CMA
+# kernel module, backtraces on failure, the deep-learning-framework support, no CPU affinity of its own.
+MVAPICH_EXPORTS = {
+    "MV2_SMP_USE_CMA": "0",
+    "MV2_DEBUG_SHOW_BACKTRACE": "1",
+    "MV2_SUPPORT_DL": "1",
+    "MV2_ENABLE_AFFINITY": "0",
+    "MV2_INTER_ALLGATHER_TUNING": "5",
+    "MV2_CUDA_USE_NAIVE": "0",
+}
 UNSUPPORTED = {
     "autotuning": "run the DeepSpeed autotuner with the real `deepspeed` launcher",
-    "bind_cores_to_rank": "bind cores in a --no_python wrapper (numactl), or set CPU_AFFINITY_CONF on Ascend",
-    "bind_core_list": "bind cores in a --no_python wrapper (numactl), or set CPU_AFFINITY_CONF on Ascend",
     "save_pid": "ds-fsdp execs the launcher, so its own pid is the launcher's",
 }
 DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"  # deepspeed.launcher.runner's name; DS_ENV_FILE overrides it
@@ -100,14 +120,16 @@ class Plan:
         }
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(args: list[str] | None = None) -> argparse.Namespace:
+    """deepspeed.launcher.runner.parse_args: the deepspeed launcher's flags (of sys.argv when `args` is None), plus
+    ds-fsdp's --backend and --dry_run."""
     parser = argparse.ArgumentParser(
         prog="ds-fsdp",
         description="The deepspeed launcher's flags, handed to torchrun / pdsh / srun / mpirun (docs/launcher.md).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("-H", "--hostfile", default=None, help=f"'HOST slots=N' lines (default {DEFAULT_HOSTFILE}; none: this node)")
+    add("-H", "--hostfile", default=DLTS_HOSTFILE, help="'HOST slots=N' lines (no such file: this node only)")
     add("-i", "--include", default="", help="resources to use: NAME[:SLOT[,SLOT ...]][@NAME...], e.g. w0:0,1@w1")
     add("-e", "--exclude", default="", help="resources not to use, same format as --include")
     add("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
@@ -129,8 +151,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("-q", "--quiet", action="store_true", help="same as --log_level error")
     add("--dry_run", action="store_true", help="print the world info and the commands as JSON; run nothing")
     add("--autotuning", default="", choices=["", "tune", "run"], help="not supported")
-    add("--bind_cores_to_rank", action="store_true", help="not supported")
-    add("--bind_core_list", default=None, help="not supported")
+    add("--bind_cores_to_rank", action="store_true", help="pin each rank to its share of the cores (numactl)")
+    add("--bind_core_list", default=None, help="cores to share out with --bind_cores_to_rank, e.g. 0-15,32-47")
     add("--save_pid", action="store_true", help="not supported")
     add("--enable_each_rank_log", default=None, help="directory for per-rank logs (torchrun --log-dir)")
     add(
@@ -142,7 +164,44 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     add("user_script", help="training script (or module with --module, executable with --no_python)")
     add("user_args", nargs=argparse.REMAINDER, help="the script's arguments")
-    return parser.parse_args(argv)
+    return parser.parse_args(args)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# deepspeed.launcher.runner's functions, on ds_compat.hostfile (ValueErrors with deepspeed's messages, and the fix)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def fetch_hostfile(hostfile_path: str) -> collections.OrderedDict | None:
+    """The hostfile's {host: slot count} in file order; None (with deepspeed's warning) when there is no such file."""
+    pool = read_hostfile(hostfile_path)
+    if pool is None:
+        log.warning("Unable to find hostfile, will proceed with training with local resources only.")
+        return None
+    return collections.OrderedDict(pool)
+
+
+def _parse_hostfile(hostfile_lines: list[str]) -> collections.OrderedDict:
+    return collections.OrderedDict(parse_hostfile(hostfile_lines))
+
+
+def parse_resource_filter(host_info: Resources, include_str: str = "", exclude_str: str = "") -> Resources:
+    """{host: slot ids} filtered by an --include or --exclude string (NAME[:SLOT[,SLOT ...]][@...]), host order kept."""
+    return collections.OrderedDict(filter_resources(host_info, include_str, exclude_str))
+
+
+def parse_inclusion_exclusion(resource_pool: dict[str, int], inclusion: str, exclusion: str) -> Resources:
+    """{host: slot count} -> {host: slot ids} left by the --include / --exclude strings."""
+    return parse_resource_filter({host: list(range(n)) for host, n in resource_pool.items()}, inclusion, exclusion)
+
+
+def apply_num_nodes_and_gpus(active_resources: Resources, num_nodes: int, num_gpus: int) -> Resources:
+    return collections.OrderedDict(limit_resources(active_resources, num_nodes, num_gpus))
+
+
+def encode_world_info(world_info: Resources) -> str:
+    """The world info as deepspeed hands it to its per-node launcher: URL-safe base64 of its JSON."""
+    return base64.urlsafe_b64encode(json.dumps(world_info).encode("utf-8")).decode("utf-8")
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -153,6 +212,11 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UserError("Don't use both the '--no_python' flag and the '--module' flag at the same time.")
     if args.launcher.lower() not in LAUNCHERS:
         raise UserError(f"Unknown launcher {args.launcher}. ds-fsdp supports --launcher {', '.join(LAUNCHERS)}.")
+    if args.bind_core_list is not None:
+        try:
+            parse_range_list(args.bind_core_list)
+        except ValueError as error:
+            raise UserError(f"--bind_core_list {args.bind_core_list!r}: {error}. Write e.g. 0-15,32-47.") from None
 
 
 def numa_node_count() -> int:
@@ -235,7 +299,12 @@ def torchrun_command(args: argparse.Namespace, nnodes: int, node_rank: str, npro
     command += ["--nproc_per_node", nproc, "--master_addr", addr, "--master_port", str(args.master_port)]
     if args.enable_each_rank_log:  # torchrun writes DIR/<run id>/attempt_0/<local rank>/{stdout,stderr}.log
         command += ["--log-dir", args.enable_each_rank_log, "--redirects", "3"]
-    command += ["--module"] * args.module + ["--no-python"] * args.no_python + [args.user_script]
+    if args.bind_cores_to_rank:  # each rank execs numactl from its LOCAL_RANK (ds_compat/utils/numa.py)
+        binder = [sys.executable, "-m", "ds_compat.utils.numa"]
+        binder += ["--bind_core_list", args.bind_core_list] if args.bind_core_list else []
+        command += ["--no-python", *binder, "--", *python_exec(args), args.user_script]
+    else:
+        command += ["--module"] * args.module + ["--no-python"] * args.no_python + [args.user_script]
     return command + ([] if args.no_local_rank else [LOCAL_RANK_ARG]) + args.user_args
 
 
@@ -275,7 +344,8 @@ def pdsh_plan(
     steps.append("export " + " ".join(f"{name}={_sh([value])}" for name, value in variables.items()))
     steps.append("exec " + _sh(torchrun_command(args, len(nodes), Shell("$R"), Shell("$N"), addr)))
     hosts = ",".join(node.host for node in nodes)
-    command = ["pdsh", "-S", "-f", str(PDSH_FAN_OUT), "-w", hosts, *shlex.split(args.launcher_args), "; ".join(steps)]
+    command = ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", hosts, *shlex.split(args.launcher_args)]
+    command.append("; ".join(steps))
     append = environ.get("PDSH_SSH_ARGS_APPEND", "")
     if "ServerAlive" not in append:  # yours wins
         append = f"{append} {SSH_KEEPALIVE}".strip()
@@ -343,6 +413,15 @@ def slurm_plan(args: argparse.Namespace, world: Resources, exports: dict[str, st
     return command, env
 
 
+def accelerator_kind() -> str:
+    """The device the ranks will use, as deepspeed's get_accelerator() names it (DS_ACCELERATOR wins)."""
+    if os.environ.get("DS_ACCELERATOR"):
+        return os.environ["DS_ACCELERATOR"]
+    from glm45v_fsdp.runtime.device import select_device
+
+    return select_device("auto").type
+
+
 def check_mpi_flags(args: argparse.Namespace, launcher: str) -> None:
     if args.include or args.exclude:
         raise UserError(f"{launcher} backend does not support worker include/exclusion. Edit the hostfile instead.")
@@ -373,16 +452,19 @@ def mpi_plan(
         for name, value in {**exports, "MASTER_ADDR": addr, "MASTER_PORT": str(args.master_port)}.items():
             command += ["-x", f"{name}={value}"]
         return command + script
-    per_node = slots_per_node(pool, "MPICH" if launcher == "mpich" else "Intel MPI")
+    per_node = slots_per_node(pool, {"mpich": "MPICH", "impi": "Intel MPI", "mvapich": "mvapich"}[launcher])
     variables = {**exports, "MASTER_ADDR": addr, "MASTER_PORT": str(args.master_port)}
     variables.update(WORLD_SIZE=str(total), LOCAL_SIZE=str(per_node))
     if launcher == "impi":
         variables["I_MPI_PIN"] = "0"
-    command = ["mpirun", *(["-n", str(total)] if launcher == "mpich" else []), "-ppn", str(per_node), *extra]
+    if launcher == "mvapich":
+        variables.update(MVAPICH_EXPORTS, **({"MV2_USE_CUDA": "1"} if accelerator_kind() == "cuda" else {}))
+    hydra = launcher in ("mpich", "mvapich")  # MVAPICH2's mpirun is MPICH's Hydra: the same flags and rank names
+    command = ["mpirun", *(["-n", str(total)] if hydra else []), "-ppn", str(per_node), *extra]
     for name, value in variables.items():
         command += ["-genv", name, value]
     command += ["-hosts", ",".join(pool)]
-    if launcher == "mpich":
+    if hydra:
         return command + ["sh", "-c", MPI_RANK_SHIM, "ds-fsdp-rank", *script]
     for rank in range(total):  # Intel MPI: one MPMD block per rank with its RANK / LOCAL_RANK, as deepspeed does
         rank_env = ["-env", "RANK", str(rank), "-env", "LOCAL_RANK", str(rank % per_node)]
@@ -431,8 +513,7 @@ def plan_launch(args: argparse.Namespace, environ: MutableMapping[str, str]) -> 
     check_flags(args)
     backend = choose_backend(args, environ)
     switch = {"PYTHONPATH": environ.get("PYTHONPATH", ""), ENV_BACKEND: backend}
-    launcher, explicit_hostfile = args.launcher.lower(), args.hostfile is not None
-    args.hostfile = args.hostfile or DEFAULT_HOSTFILE
+    launcher, explicit_hostfile = args.launcher.lower(), args.hostfile != DLTS_HOSTFILE
     pool, unset = read_hostfile(args.hostfile), []
     from_hostfile = pool is not None
     if pool is None:
@@ -454,6 +535,12 @@ def plan_launch(args: argparse.Namespace, environ: MutableMapping[str, str]) -> 
             f"info has {len(world)} node(s). Pass --node_rank N with 0 <= N < {len(world)} on each node."
         )
     multi_node = (args.force_multi or len(world) > 1) and not args.no_ssh
+    if args.bind_cores_to_rank and multi_node and launcher != "pdsh":
+        raise UserError(
+            f"--bind_cores_to_rank binds the ranks torchrun starts (one node, --no_ssh, pdsh); --launcher {launcher} "
+            "starts them itself. Use its own binding instead (srun --cpu-bind=cores, mpirun --bind-to core or "
+            "-bind-to core), or --launcher pdsh."
+        )
     nodes = [Node(host, rank, slots) for rank, (host, slots) in enumerate(world.items())]
     default_addr = nodes[0].host if from_hostfile and (multi_node or len(nodes) > 1) else "127.0.0.1"
     addr = args.master_addr or default_addr
@@ -490,6 +577,14 @@ def over_ssh(plan: Plan, environ: dict[str, str]) -> bool:
     return plan.mode == "pdsh" and shutil.which("pdsh", path=environ.get("PATH")) is None
 
 
+def is_mvapich(environ: dict[str, str]) -> bool:
+    mpiname = shutil.which("mpiname", path=environ.get("PATH"))
+    if mpiname is None:
+        return False
+    result = subprocess.run([mpiname], capture_output=True, text=True, env=environ)
+    return "MVAPICH" in result.stdout.upper()
+
+
 def check_backend(plan: Plan, args: argparse.Namespace, environ: dict[str, str]) -> None:
     """The program to exec exists (pdsh may fall back to ssh); for pdsh, passwordless ssh to the first host works
     (unless --no_ssh_check)."""
@@ -497,6 +592,11 @@ def check_backend(plan: Plan, args: argparse.Namespace, environ: dict[str, str])
     if shutil.which(program, path=environ.get("PATH")) is None:
         needs = "pdsh or ssh" if plan.mode == "pdsh" else f"`{program}`"
         raise UserError(f"launcher '{plan.mode}' not installed: {needs} is not on PATH.")
+    if plan.mode == "mvapich" and not is_mvapich(environ):
+        raise UserError(
+            "launcher 'mvapich' not installed: `mpiname` (MVAPICH2's) is not on PATH or does not report MVAPICH, so "
+            "`mpirun` is another MPI's. Put MVAPICH2's bin directory first on PATH, or use --launcher mpich/openmpi."
+        )
     if plan.mode != "pdsh" or args.no_ssh_check:
         return
     first = next(iter(plan.world))

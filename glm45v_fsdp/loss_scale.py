@@ -16,7 +16,10 @@ SCALE_FACTOR = 2.0
 
 
 class LossScaler:
-    def __init__(self, cfg: LossScaleConfig) -> None:
+    """`stop_at_min_scale=False` keeps skipping steps at the floor instead of stopping (DeepSpeed's
+    raise_error_at_min_scale=False)."""
+
+    def __init__(self, cfg: LossScaleConfig, stop_at_min_scale: bool = True) -> None:
         self.dynamic = cfg.static_scale == 0
         self.scale = float(2**cfg.initial_scale_power) if self.dynamic else float(cfg.static_scale)
         self.window = cfg.window
@@ -24,6 +27,7 @@ class LossScaler:
         self.hysteresis = cfg.hysteresis
         self.consecutive_hysteresis = cfg.consecutive_hysteresis
         self.hysteresis_left = cfg.hysteresis
+        self.stop_at_min_scale = stop_at_min_scale
         self.iteration = 0
         self.last_overflow = -1
 
@@ -41,7 +45,7 @@ class LossScaler:
             return
         if overflow:
             if self.hysteresis == 1 or self.hysteresis_left == 1:
-                if self.scale == self.min_scale:
+                if self.scale == self.min_scale and self.stop_at_min_scale:
                     raise TrainingStopped(
                         f"Training stopped: the gradients overflow at the minimum fp16 loss scale {self.min_scale:g} "
                         "(training.loss_scale.min_scale), as DeepSpeed stops. Lower training.lr, check the data, or "

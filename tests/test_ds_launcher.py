@@ -107,6 +107,15 @@ def test_resolution_matches_deepspeed(ds_runner, tmp_path, name):
     theirs = outcome(deepspeed_world, ds_runner, str(path), include, exclude, num_nodes, num_gpus)
     ours = outcome(our_world, str(path), include, exclude, num_nodes, num_gpus)
     assert ours[0] == theirs[0], (ours, theirs)
+    # deepspeed.launcher.runner's functions under ds-fsdp (ds_compat.launcher), called as a tool calls deepspeed's
+    through_runner = outcome(deepspeed_world, launcher, str(path), include, exclude, num_nodes, num_gpus)
+    assert through_runner[0] == theirs[0]
+    if through_runner[0] == "ok":
+        assert through_runner[1] == theirs[1]
+    else:
+        assert isinstance(through_runner[1], ValueError) and (
+            not same_text or str(theirs[1]).rstrip(".") in str(through_runner[1])
+        )
     if ours[0] == "ok":
         assert ours[1] == theirs[1]
         return
@@ -124,7 +133,7 @@ def env(monkeypatch, tmp_path):
     for name in ("CUDA_VISIBLE_DEVICES", "LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    monkeypatch.setattr(launcher, "DEFAULT_HOSTFILE", str(tmp_path / "no_hostfile"))  # even where /job/hostfile exists
+    monkeypatch.setattr(launcher, "DLTS_HOSTFILE", str(tmp_path / "no_hostfile"))  # even where /job/hostfile exists
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "home").mkdir()
     (tmp_path / "work").mkdir()
@@ -196,6 +205,11 @@ def test_pdsh_dry_run_runs_each_nodes_torchrun(env, capsys):
     forced = dry_run(capsys, "--force_multi", "--num_gpus", "2", "--master_port", "1234", "--ssh_port", "2222", "x.py")
     assert forced["mode"] == "pdsh" and forced["command"][5] == "localhost" and forced["master_addr"] == "127.0.0.1"
     assert forced["env"]["PDSH_SSH_ARGS_APPEND"] == f"{keepalive} -p 2222"
+    bound = dry_run(capsys, "-H", hostfile, "--bind_cores_to_rank", "--bind_core_list", "0-7", "--module", "pkg.m", "x")
+    binder = ["--no-python", PY, "-m", "ds_compat.utils.numa", "--bind_core_list", "0-7", "--"]
+    assert bound["nodes"][1]["command"] == torchrun(
+        2, 1, 4, "worker-0", *binder, PY, "-u", "-m", "pkg.m", LOCAL_RANK_ARG, "x"
+    )
 
 
 def run_remote_script(report: dict, host: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -295,6 +309,14 @@ def test_mpi_dry_runs(env, capsys):
     assert impi[21:26] == ["-genv", "I_MPI_PIN", "0", "-hosts", "worker-0,worker-1"]
     blocks = " ".join(impi[23:]).split(" : ")
     assert len(blocks) == 8 and blocks[5] == "-n 1 -env RANK 5 -env LOCAL_RANK 1 ./run.sh"
+    # MVAPICH2's mpirun is MPICH's Hydra: MPICH's command with deepspeed's MV2_* settings (no MV2_USE_CUDA on CPU)
+    mvapich = dry_run(capsys, *base, "--launcher", "mvapich", "--module", "pkg.train", "x")["command"]
+    mv2 = " ".join(f"-genv {name} {value}" for name, value in launcher.MVAPICH_EXPORTS.items())
+    assert " ".join(mvapich[:41]) == f"mpirun -n 8 -ppn 4 {genv} {mv2}" and "MV2_USE_CUDA" not in mvapich
+    assert mvapich[41:] == mpich[23:]
+    rank_env = {"PMI_RANK": "6", "MV2_COMM_WORLD_LOCAL_RANK": "2"}
+    shim = subprocess.run(["sh", "-c", mvapich[45], "x", "sh", "-c", "echo $RANK $LOCAL_RANK"], env=rank_env, **TEXT)
+    assert shim.stdout == "6 2\n"
 
 
 def test_mpi_limits_and_flag_errors(env, capsys):
@@ -302,9 +324,12 @@ def test_mpi_limits_and_flag_errors(env, capsys):
     errors = {
         ("--launcher", "openmpi", "-e", "worker-0:0"): "openmpi backend does not support worker include/exclusion",
         ("--launcher", "mpich", "--num_gpus", "2"): "mpich backend does not support limiting num nodes/gpus",
-        ("--launcher", "mvapich"): "Unknown launcher mvapich",
+        ("--launcher", "mvapich", "-e", "worker-1:2"): "mvapich backend does not support worker include/exclusion",
+        ("--launcher", "lsf"): "Unknown launcher lsf",
         ("--module", "--no_python"): "Don't use both the '--no_python' flag and the '--module' flag",
-        ("--bind_cores_to_rank",): "--bind_cores_to_rank is a deepspeed launcher flag ds-fsdp does not support",
+        ("--save_pid",): "--save_pid is a deepspeed launcher flag ds-fsdp does not support",
+        ("--bind_cores_to_rank", "--launcher", "slurm"): "--bind_cores_to_rank binds the ranks torchrun starts",
+        ("--bind_core_list", "2,1"): "--bind_core_list '2,1': Bad range",
         ("-i", "worker-0", "-e", "worker-1"): "include_str and exclude_str are mutually exclusive",
     }
     for flags, message in errors.items():

@@ -1,15 +1,17 @@
-"""The most used pieces of `deepspeed.utils`: RepeatingLoader, logger, log_dist, the ZeRO-3 leaf-module flags."""
+"""The most used pieces of `deepspeed.utils`: RepeatingLoader, logger, log_dist, the ZeRO-3 leaf-module flags; its
+`groups` and `numa` modules are ds_compat/utils/groups.py and numa.py. Nothing here imports torch at import time: the
+launcher (ds-fsdp) reads numa's core lists without it."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
-
-import torch.distributed as dist
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from glm45v_fsdp.log import get_logger
+
+if TYPE_CHECKING:
+    from torch import nn
 
 logger = get_logger()
 
@@ -34,6 +36,8 @@ class RepeatingLoader:
 
 def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
     """Log `message` on the given ranks (all when None or containing -1), as deepspeed.utils.log_dist."""
+    import torch.distributed as dist
+
     rank = dist.get_rank() if dist.is_initialized() else 0
     if ranks is None or -1 in ranks or rank in ranks:
         logger.log(level, f"[Rank {rank}] {message}")
