@@ -15,7 +15,7 @@ from glm45v_fsdp.errors import ConfigError
 
 
 class DeepSpeedAssertion(ConfigError, AssertionError):
-    """A config error DeepSpeed reports with `assert` (the batch arithmetic, ...): `except AssertionError` catches
+    """A user error DeepSpeed reports with `assert` (the batch arithmetic, ...): `except AssertionError` catches
     it as it catches DeepSpeed's, and it is a ConfigError (a user error with a clear message) here."""
 
 

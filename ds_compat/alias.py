@@ -16,6 +16,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -32,9 +33,7 @@ RENAMED = {
     "deepspeed.runtime.engine": "ds_compat.engine",
     "deepspeed.runtime.lr_schedules": "ds_compat.lr_schedules",
     "deepspeed.runtime.activation_checkpointing.checkpointing": "ds_compat.checkpointing",
-    "deepspeed.runtime.activation_checkpointing": "ds_compat.checkpointing",
     "deepspeed.launcher": "ds_compat.launchers",
-    "deepspeed.launcher.runner": "ds_compat.launcher",
     "deepspeed.utils.zero_to_fp32": "ds_compat.zero_to_fp32",
 }
 # deepspeed modules this backend deliberately does not provide, with the way out.
@@ -111,6 +110,19 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
 def submodule(deepspeed_name: str) -> ModuleType:
     """The module `deepspeed_name` stands for, for attribute access such as `deepspeed.runtime.lr_schedules`."""
     return importlib.import_module(target_of(deepspeed_name))
+
+
+def submodule_attributes(deepspeed_package: str) -> Callable[[str], ModuleType]:
+    """A package's module `__getattr__`: `deepspeed.<package>.<name>` reached as an attribute, imported on first
+    use, as DeepSpeed's packages have their submodules after `import deepspeed`."""
+
+    def __getattr__(name: str) -> ModuleType:
+        try:
+            return submodule(f"{deepspeed_package}.{name}")
+        except ModuleNotFoundError as error:
+            raise AttributeError(str(error)) from None
+
+    return __getattr__
 
 
 def installed() -> bool:

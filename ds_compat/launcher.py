@@ -9,8 +9,7 @@ would. Nothing here spawns or watches ranks. See docs/launcher.md.
 from __future__ import annotations
 
 import argparse
-import base64
-import collections
+import importlib
 import importlib.util
 import json
 import logging
@@ -25,18 +24,11 @@ import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 from ds_compat.alias import BACKENDS, ENV_BACKEND, SHIM_DIR, backend_from_env
-from ds_compat.hostfile import (
-    Resources,
-    check_filter_flags,
-    filter_resources,
-    limit_resources,
-    parse_hostfile,
-    read_hostfile,
-    resolve_world,
-)
-from ds_compat.utils.numa import parse_range_list
+from ds_compat.hostfile import Resources, check_filter_flags, read_hostfile, resolve_world
+from ds_compat.utils.numa import parse_range_list, physical_core_count
 from glm45v_fsdp.errors import EXIT_USER_ERROR, UserError
 
 log = logging.getLogger("ds-fsdp")
@@ -165,43 +157,6 @@ def parse_args(args: list[str] | None = None) -> argparse.Namespace:
     add("user_script", help="training script (or module with --module, executable with --no_python)")
     add("user_args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser.parse_args(args)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# deepspeed.launcher.runner's functions, on ds_compat.hostfile (ValueErrors with deepspeed's messages, and the fix)
-# --------------------------------------------------------------------------------------------------------------
-
-
-def fetch_hostfile(hostfile_path: str) -> collections.OrderedDict | None:
-    """The hostfile's {host: slot count} in file order; None (with deepspeed's warning) when there is no such file."""
-    pool = read_hostfile(hostfile_path)
-    if pool is None:
-        log.warning("Unable to find hostfile, will proceed with training with local resources only.")
-        return None
-    return collections.OrderedDict(pool)
-
-
-def _parse_hostfile(hostfile_lines: list[str]) -> collections.OrderedDict:
-    return collections.OrderedDict(parse_hostfile(hostfile_lines))
-
-
-def parse_resource_filter(host_info: Resources, include_str: str = "", exclude_str: str = "") -> Resources:
-    """{host: slot ids} filtered by an --include or --exclude string (NAME[:SLOT[,SLOT ...]][@...]), host order kept."""
-    return collections.OrderedDict(filter_resources(host_info, include_str, exclude_str))
-
-
-def parse_inclusion_exclusion(resource_pool: dict[str, int], inclusion: str, exclusion: str) -> Resources:
-    """{host: slot count} -> {host: slot ids} left by the --include / --exclude strings."""
-    return parse_resource_filter({host: list(range(n)) for host, n in resource_pool.items()}, inclusion, exclusion)
-
-
-def apply_num_nodes_and_gpus(active_resources: Resources, num_nodes: int, num_gpus: int) -> Resources:
-    return collections.OrderedDict(limit_resources(active_resources, num_nodes, num_gpus))
-
-
-def encode_world_info(world_info: Resources) -> str:
-    """The world info as deepspeed hands it to its per-node launcher: URL-safe base64 of its JSON."""
-    return base64.urlsafe_b64encode(json.dumps(world_info).encode("utf-8")).decode("utf-8")
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -413,6 +368,20 @@ def slurm_plan(args: argparse.Namespace, world: Resources, exports: dict[str, st
     return command, env
 
 
+def check_core_binding(args: argparse.Namespace, world: Resources, multi_node: bool) -> None:
+    """Every rank of a node gets at least one core: of --bind_core_list, or (this node only) of its physical cores."""
+    if args.bind_core_list is None and multi_node:
+        return  # the other nodes' core counts are theirs to know; each rank checks its own
+    cores = len(parse_range_list(args.bind_core_list)) if args.bind_core_list else physical_core_count()
+    ranks = max(len(slots) for slots in world.values())
+    if cores < ranks:
+        source = f"--bind_core_list {args.bind_core_list!r}" if args.bind_core_list else "this node's physical cores"
+        raise UserError(
+            f"--bind_cores_to_rank: {source} give {cores} core(s) for {ranks} ranks per node, and every rank needs at "
+            "least one. Bind more cores or start fewer ranks per node (--num_gpus)."
+        )
+
+
 def accelerator_kind() -> str:
     """The device the ranks will use, as deepspeed's get_accelerator() names it (DS_ACCELERATOR wins)."""
     if os.environ.get("DS_ACCELERATOR"):
@@ -535,6 +504,8 @@ def plan_launch(args: argparse.Namespace, environ: MutableMapping[str, str]) -> 
             f"info has {len(world)} node(s). Pass --node_rank N with 0 <= N < {len(world)} on each node."
         )
     multi_node = (args.force_multi or len(world) > 1) and not args.no_ssh
+    if args.bind_cores_to_rank:
+        check_core_binding(args, world, multi_node)
     if args.bind_cores_to_rank and multi_node and launcher != "pdsh":
         raise UserError(
             f"--bind_cores_to_rank binds the ranks torchrun starts (one node, --no_ssh, pdsh); --launcher {launcher} "
@@ -646,6 +617,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"ds-fsdp: error: cannot run {plan.command[0]}: {error}", file=sys.stderr)
         return 127
+
+
+def __getattr__(name: str) -> ModuleType:
+    """`deepspeed.launcher.runner` / `.multinode_runner` where the attribute `deepspeed.launcher` is this module."""
+    if name in ("runner", "multinode_runner"):
+        return importlib.import_module(f"ds_compat.launchers.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from ds_compat import launcher
 from ds_compat.alias import SHIM_DIR
 from ds_compat.hostfile import read_hostfile, resolve_world
 from ds_compat.launcher import LOCAL_RANK_ARG, main, numa_node_count
+from ds_compat.launchers import runner as our_runner
 from glm45v_fsdp.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,8 +108,8 @@ def test_resolution_matches_deepspeed(ds_runner, tmp_path, name):
     theirs = outcome(deepspeed_world, ds_runner, str(path), include, exclude, num_nodes, num_gpus)
     ours = outcome(our_world, str(path), include, exclude, num_nodes, num_gpus)
     assert ours[0] == theirs[0], (ours, theirs)
-    # deepspeed.launcher.runner's functions under ds-fsdp (ds_compat.launcher), called as a tool calls deepspeed's
-    through_runner = outcome(deepspeed_world, launcher, str(path), include, exclude, num_nodes, num_gpus)
+    # deepspeed.launcher.runner's functions under ds-fsdp (ds_compat/launchers/runner.py), called as deepspeed's
+    through_runner = outcome(deepspeed_world, our_runner, str(path), include, exclude, num_nodes, num_gpus)
     assert through_runner[0] == theirs[0]
     if through_runner[0] == "ok":
         assert through_runner[1] == theirs[1]
@@ -329,7 +330,8 @@ def test_mpi_limits_and_flag_errors(env, capsys):
         ("--module", "--no_python"): "Don't use both the '--no_python' flag and the '--module' flag",
         ("--save_pid",): "--save_pid is a deepspeed launcher flag ds-fsdp does not support",
         ("--bind_cores_to_rank", "--launcher", "slurm"): "--bind_cores_to_rank binds the ranks torchrun starts",
-        ("--bind_core_list", "2,1"): "--bind_core_list '2,1': Bad range",
+        ("--bind_core_list", "2,1"): "--bind_core_list '2,1': '2,1': each range must start above",
+        ("--bind_cores_to_rank", "--bind_core_list", "0-2"): "give 3 core(s) for 4 ranks per node",
         ("-i", "worker-0", "-e", "worker-1"): "include_str and exclude_str are mutually exclusive",
     }
     for flags, message in errors.items():

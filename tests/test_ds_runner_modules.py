@@ -17,6 +17,7 @@ import pytest
 
 from ds_compat import launcher
 from ds_compat.launchers import multinode_runner as ours
+from ds_compat.launchers import runner as our_runner
 
 HOSTS = {"worker-0": 4, "worker-1": 4}
 ARGV = ["--master_addr", "worker-0", "--master_port", "6100", "train.py", "--lr", "1e-4", "--name", "a b"]
@@ -50,7 +51,7 @@ def test_parse_args_reads_deepspeeds_flags_alike(deepspeed):
     argv = ["-H", "hf", "-e", "w0:1", "--num_nodes", "2", "--launcher", "SLURM", "--launcher_args", "-p x"]
     argv += ["--no_local_rank", "--module", "--ssh_port", "2222", "--venv_script", "v.sh", "pkg.main", "--k", "v"]
     for flags in (argv, ARGV, ["t.py"]):
-        theirs, mine = vars(runner.parse_args(flags)), vars(launcher.parse_args(flags))
+        theirs, mine = vars(runner.parse_args(flags)), vars(our_runner.parse_args(flags))
         assert set(mine) - set(theirs) == {"backend", "dry_run"}  # ds-fsdp's own flags
         differ = {key for key in theirs if theirs[key] != mine[key]}
         assert differ <= {"enable_each_rank_log"}  # deepspeed's default is the string "None", ours None
@@ -58,14 +59,14 @@ def test_parse_args_reads_deepspeeds_flags_alike(deepspeed):
     sys_argv = ["deepspeed", "--num_gpus", "2", "x.py"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", sys_argv)
-        assert launcher.parse_args().num_gpus == runner.parse_args().num_gpus == 2
+        assert our_runner.parse_args().num_gpus == runner.parse_args().num_gpus == 2
 
 
 def test_hostfile_and_filter_functions_return_deepspeeds_types(deepspeed, tmp_path):
     runner, _ = deepspeed
     path = tmp_path / "hostfile"
     path.write_text("b slots=2\na slots=3 # comment\n")
-    for module in (runner, launcher):
+    for module in (runner, our_runner):
         pool = module.fetch_hostfile(str(path))
         assert pool == collections.OrderedDict([("b", 2), ("a", 3)]) and list(pool) == ["b", "a"]
         assert module.fetch_hostfile(str(tmp_path / "missing")) is None
@@ -75,7 +76,7 @@ def test_hostfile_and_filter_functions_return_deepspeeds_types(deepspeed, tmp_pa
         assert module.parse_resource_filter({"a": [0, 1, 2]}, exclude_str="a:1") == {"a": [0, 2]}
         assert module.apply_num_nodes_and_gpus(active, 1, 3) == {"b": [0, 1, 2]}
     world = {"worker-0": [0, 1], "worker-1": [2]}
-    assert launcher.encode_world_info(world) == runner.encode_world_info(world)
+    assert our_runner.encode_world_info(world) == runner.encode_world_info(world)
 
 
 @pytest.mark.parametrize(
@@ -97,7 +98,7 @@ def test_bad_hostfiles_and_filters_raise_valueerror_as_deepspeed(deepspeed, call
     with pytest.raises(ValueError):
         call(runner)
     with pytest.raises(ValueError, match=r"\. [A-Z]"):  # ours goes on with the fix
-        call(launcher)
+        call(our_runner)
 
 
 RUNNERS = ["PDSHRunner", "OpenMPIRunner", "MPICHRunner", "IMPIRunner", "SlurmRunner", "MVAPICHRunner"]
@@ -123,8 +124,8 @@ def test_each_runners_command_is_the_one_ds_fsdp_runs(name, env, deepspeed):
     argv = ["-H", str(env), "--launcher", LAUNCHER_OF[name], *ARGV]
     plan = launcher.plan_launch(launcher.parse_args(argv), dict(os.environ))
     args = launcher.parse_args(argv)
-    pool = launcher.fetch_hostfile(args.hostfile)
-    world = launcher.parse_inclusion_exclusion(pool, "", "")
+    pool = our_runner.fetch_hostfile(args.hostfile)
+    world = our_runner.parse_inclusion_exclusion(pool, "", "")
     runner = make(ours, name, args, pool)
     assert runner.name == LAUNCHER_OF[name] == make(ds_multinode, name, launcher.parse_args(argv), pool).name
     for key, value in plan.exports.items():
@@ -182,7 +183,16 @@ def test_uneven_hosts_and_backend_checks(env, deepspeed, monkeypatch):
         runner = make(module, "MPICHRunner", launcher.parse_args(argv), uneven)
         with pytest.raises(ValueError, match="requires same number of devices per node"):
             runner.get_cmd({}, {host: list(range(n)) for host, n in uneven.items()})
-    monkeypatch.setenv("PATH", str(env.parent))  # no launcher programs at all
-    for name in RUNNERS:
-        argv = ["-H", str(env), "--launcher", LAUNCHER_OF[name], *ARGV]
-        assert not make(ours, name, launcher.parse_args(argv), HOSTS).backend_exists()
+    bin_dir = env.parent / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))  # no launcher programs at all
+    runners = {
+        name: make(ours, name, launcher.parse_args(["--launcher", LAUNCHER_OF[name], *ARGV]), HOSTS) for name in RUNNERS
+    }
+    assert not any(runner.backend_exists() for runner in runners.values())
+    for program, says in [("pdsh", ""), ("ompi_info", ""), ("mpirun", ""), ("sinfo", ""), ("mpiname", "MPICH 4.1")]:
+        (bin_dir / program).write_text(f"#!/bin/sh\necho '{says}'\n")
+        (bin_dir / program).chmod(0o755)
+    assert [runners[name].backend_exists() for name in RUNNERS] == [True, True, True, True, True, False]
+    (bin_dir / "mpiname").write_text("#!/bin/sh\necho 'MVAPICH2-GDR 2.3.7 Mon Jan 1 2024 standard'\n")
+    assert runners["MVAPICHRunner"].backend_exists()

@@ -21,17 +21,26 @@ REPO = Path(__file__).resolve().parents[1]
 # groups: 2 gloo ranks, DeepSpeed's module and ours in the same process group
 # --------------------------------------------------------------------------------------------------------------
 
-QUERIES = (
-    "_get_data_parallel_world_size",
-    "_get_data_parallel_rank",
-    "_get_broadcast_src_rank",
-    "_get_sequence_parallel_world_size",
-    "_get_sequence_parallel_rank",
-    "_get_sequence_data_parallel_world_size",
-    "_get_sequence_data_parallel_rank",
-    "_get_model_parallel_world_size",
-    "_get_expert_model_parallel_world_size",
-)
+
+def group_queries(module) -> list[str]:
+    """Every query of our groups module (all exist in DeepSpeed's too)."""
+    return sorted(n for n in dir(module) if n.startswith(("_get_", "get_")) and callable(getattr(module, n)))
+
+
+def ask(module, name: str):
+    """The query's answer (a group: its ranks), or the class of what it raised (an AssertionError: that class, which
+    ours subclasses); queries about expert groups get DeepSpeed's group name."""
+    function = getattr(module, name)
+    args = ("ep_size_1",) * function.__code__.co_argcount
+    try:
+        answer = function(*args)
+    except Exception as error:  # noqa: BLE001 - the class is what is compared
+        return AssertionError if isinstance(error, AssertionError) else type(error)
+    if isinstance(answer, (list, range)):
+        return list(answer)
+    if isinstance(answer, (int, str, type(None), dict)):
+        return answer
+    return ("group", dist.get_process_group_ranks(answer))
 
 
 def _groups_worker(rank: int, port: int) -> None:
@@ -41,18 +50,16 @@ def _groups_worker(rank: int, port: int) -> None:
     from deepspeed import comm as ds_comm
     from deepspeed.utils import groups as theirs
 
-    ds_comm.init_distributed(dist_backend="gloo")  # deepspeed.comm over the process group above
-
     import ds_compat
     from ds_compat.utils import groups as mine
 
-    for query in QUERIES:
-        assert getattr(mine, query)() == getattr(theirs, query)(), query
-    assert list(mine._get_data_parallel_group_ranks()) == list(theirs._get_data_parallel_group_ranks()) == [0, 1]
-    for module in (mine, theirs):
-        with pytest.raises(KeyError):
-            module._get_sequence_parallel_group()
-    assert mine._get_expert_parallel_group_dict() == theirs._get_expert_parallel_group_dict() == {}
+    ds_comm.init_distributed(dist_backend="gloo")  # deepspeed.comm over the process group above
+    queries = group_queries(mine)
+    assert len(queries) >= 30 and all(hasattr(theirs, name) for name in queries)
+    for name in queries:
+        assert ask(mine, name) == ask(theirs, name), name
+    assert ask(mine, "_get_data_parallel_world_size") == 2 and ask(mine, "_get_sequence_parallel_group") is KeyError
+    assert ask(mine, "_get_expert_parallel_world_size") is AssertionError
     with pytest.raises(ValueError, match="no expert parallelism"):
         mine.initialize(ep_size=2)
     engine, *_ = ds_compat.initialize(
@@ -65,6 +72,18 @@ def _groups_worker(rank: int, port: int) -> None:
     assert total.item() == 3.0 and mine._get_data_parallel_rank() == rank
     mine.use_meshes(None)
     dist.destroy_process_group()
+
+
+def test_groups_before_init_distributed_fail_as_deepspeeds(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils import groups as theirs
+
+    from ds_compat.utils import groups as mine
+
+    assert not dist.is_initialized()
+    for name in group_queries(mine):
+        assert ask(mine, name) == ask(theirs, name), name
+    assert ask(mine, "_get_data_parallel_world_size") is AssertionError
 
 
 def test_groups_answer_as_deepspeeds_and_follow_the_engine():
@@ -167,31 +186,41 @@ def test_kmp_affinity_and_this_machines_topology(deepspeed_numa, monkeypatch):
         with pytest.raises(ValueError, match="KMP_AFFINITY"):
             module.get_numactl_cmd(None, 1, 0)
     monkeypatch.delenv("KMP_AFFINITY")
-    real = ours.get_numa_cores()  # sysfs: every CPU this machine has, each in one node
-    assert sorted(cpu for cpus in real for cpu in cpus) == list(range(os.cpu_count()))
+    real = ours.get_numa_cores()  # sysfs: every online CPU of this machine, each in one node
+    online = ours.parse_range_list(Path("/sys/devices/system/cpu/online").read_text().strip())
+    assert sorted(cpu for cpus in real for cpu in cpus) == online
+    for rank, ranks in [(2, 2), (-1, 2), (0, 0)]:
+        with pytest.raises(ValueError, match="is not one of the"):
+            ours.get_numactl_cmd("0-7", ranks, rank)
 
 
 def test_bind_cores_to_rank_pins_each_torchrun_rank(tmp_path):
-    """Two ranks on this machine's cores: each gets its own share and OMP_NUM_THREADS to match (numactl runs them)."""
+    """Two ranks (one on a one-core machine) share this process's cores: each gets its own share, bound by numactl,
+    and OMP_NUM_THREADS to match."""
     script = tmp_path / "affinity.py"
     script.write_text(
         "import os\n"
         "cpus = sorted(os.sched_getaffinity(0))\n"
         "print('RANK', os.environ['RANK'], cpus, os.environ['OMP_NUM_THREADS'], flush=True)\n"
     )
-    cores = ours.physical_core_count()
+    allowed = sorted(os.sched_getaffinity(0))
+    ranks = min(2, len(allowed))
+    per_rank = len(allowed) // ranks
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DS_FSDP", "KMP_"))}
     env["DS_ACCELERATOR"] = "cpu"
-    launch = [sys.executable, "-m", "ds_compat.launcher", "--num_gpus", "2", "--master_port", str(free_port())]
+    launch = [sys.executable, "-m", "ds_compat.launcher", "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    cores = ",".join(map(str, allowed))
     result = subprocess.run(
-        [*launch, "--bind_cores_to_rank", str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [*launch, "--bind_cores_to_rank", "--bind_core_list", cores, str(script)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = sorted(line.split(" ", 2) for line in result.stdout.splitlines() if line.startswith("RANK"))
-    per_rank = cores // 2
-    assert [(rank, cpus) for _, rank, cpus in lines] == [
-        ("0", f"{list(range(per_rank))} {per_rank}"),
-        ("1", f"{list(range(per_rank, 2 * per_rank))} {per_rank}"),
-    ]
+    lines = sorted(line.split(" ", 2)[1:] for line in result.stdout.splitlines() if line.startswith("RANK"))
+    expected = [[str(r), f"{allowed[r * per_rank : (r + 1) * per_rank]} {per_rank}"] for r in range(ranks)]
+    assert lines == expected
     bad = subprocess.run([*launch, "--bind_core_list", "3-1", str(script)], cwd=REPO, env=env, capture_output=True)
     assert bad.returncode == 2 and b"--bind_core_list '3-1'" in bad.stderr

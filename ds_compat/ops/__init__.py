@@ -5,3 +5,7 @@ where the device has them) on whatever the engine hands them — FSDP2's sharded
 optimizer offload, on the host. A script that builds one (the HF Trainer does when its optimizer meets
 `offload_optimizer`) runs unchanged.
 """
+
+from ds_compat.alias import submodule_attributes
+
+__getattr__ = submodule_attributes("deepspeed.ops")

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from ds_compat import ds_keys
-from ds_compat._common import DeepSpeedAssertion, key_error
+from ds_compat._common import DeepSpeedAssertion, as_int, key_error
 from ds_compat.config import Translation, load_ds_config, resolve_batch, translate
 from ds_compat.runtime.config_utils import logger
-from ds_compat.runtime.precision_config import get_bfloat16_config, get_float16_config
+from ds_compat.runtime.precision_config import DeepSpeedFP16Config, get_bfloat16_config, get_float16_config
 from ds_compat.sections import DEFAULT_GRADIENT_CLIPPING
 from ds_compat.zero.config import ZeroStageEnum, get_zero_config
 from glm45v_fsdp.errors import ConfigError
@@ -39,6 +39,46 @@ SCALARS: dict[str, tuple[str, Any]] = {
     "zero_allow_untested_optimizer": ("zero_allow_untested_optimizer", False),
     "zero_force_ds_cpu_optimizer": ("zero_force_ds_cpu_optimizer", True),
     "dataloader_drop_last": ("dataloader_drop_last", False),
+    "managed_gradient_accumulation": ("managed_gradient_accumulation", True),
+    "disable_python_gc": ("disable_python_gc", False),
+    "log_level": ("log_level", None),
+    "use_data_before_expert_parallel_": ("use_data_before_expert_parallelism", False),
+}
+# DeepSpeed's section objects for features the FSDP2 backend does not run (or runs its own way): DeepSpeedConfig
+# does not build them. A script that reads one gets an AttributeError naming it.
+SECTIONS_NOT_PROVIDED = frozenset(
+    {
+        "activation_checkpointing_config",
+        "aio_config",
+        "autotuning_config",
+        "checkpoint_config",
+        "comms_config",
+        "compile_config",
+        "data_efficiency_config",
+        "datastates_config",
+        "expert_parallel_config",
+        "flops_profiler_config",
+        "hybrid_engine",
+        "monitor_config",
+        "tensor_parallel_config",
+        "timers_config",
+        "weight_quantization_config",
+    }
+)
+TAG_VALIDATION_MODES = ("IGNORE", "WARN", "FAIL")
+PIPELINE_DEFAULTS = {
+    "stages": "auto",
+    "partition": "best",
+    "seed_layers": False,
+    "activation_checkpoint_interval": 0,
+    "pipe_partitioned": True,
+    "grad_partitioned": True,
+}
+AUTOCAST_DTYPES = {
+    **dict.fromkeys(("fp16", "float16", "half", "torch.float16", torch.float16), torch.float16),
+    **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16", torch.bfloat16), torch.bfloat16),
+    **dict.fromkeys(("fp32", "float32", "float", "torch.float32", torch.float32), torch.float32),
+    **dict.fromkeys(("int8", "torch.int8", torch.int8), torch.int8),
 }
 
 
@@ -61,9 +101,37 @@ def _communication_dtype(param_dict: dict, key: str, default: str | None) -> tor
     return dtype
 
 
-def _section_value(param_dict: dict, section: str, key: str) -> Any:
-    node = param_dict.get(section)
-    return node.get(key) if isinstance(node, dict) else None
+def _section(param_dict: dict, key: str) -> dict:
+    node = param_dict.get(key, {})
+    if not isinstance(node, dict):
+        raise key_error(key, node, "is not a section", 'Write it as a JSON object, e.g. {"enabled": true}.')
+    return node
+
+
+def _gradient_allreduce_op(param_dict: dict) -> str:
+    op = param_dict.get("gradient_allreduce_op", "mean")
+    op = op.lower() if isinstance(op, str) else op
+    if op not in ("mean", "sum"):
+        raise key_error("gradient_allreduce_op", op, "is not a reduction DeepSpeed offers", 'Write "mean" or "sum".')
+    return op
+
+
+def _autocast_dtype(autocast: dict) -> torch.dtype | None:
+    if "dtype" not in autocast:
+        return None
+    value = autocast["dtype"]
+    if value not in AUTOCAST_DTYPES:
+        raise key_error("torch_autocast.dtype", value, "is not a dtype", 'Write "bf16", "fp16" or "fp32".')
+    return AUTOCAST_DTYPES[value]
+
+
+def _safe_modules(autocast: dict) -> list[str] | None:
+    names = autocast.get("lower_precision_safe_modules")
+    if names is not None and not all(isinstance(name, str) for name in names):
+        raise key_error(
+            "torch_autocast.lower_precision_safe_modules", names, "is not a list of names", 'Write ["torch.nn.Linear"].'
+        )
+    return names
 
 
 class DeepSpeedConfig:
@@ -109,7 +177,9 @@ class DeepSpeedConfig:
             return comm.get_rank(), self._divide(world, mpu.get_sequence_parallel_world_size())
         if mesh_device is not None:
             return comm.get_rank(), comm.get_world_size(mesh_device.get_group(mesh_dim="data_parallel"))
-        return comm.get_rank(), self._divide(world, self._param_dict.get("sequence_parallel_size") or 1)
+        sequence_parallel = self._param_dict.get("sequence_parallel_size")
+        sequence_parallel = 1 if sequence_parallel is None else as_int("sequence_parallel_size", sequence_parallel, 1)
+        return comm.get_rank(), self._divide(world, sequence_parallel)
 
     @staticmethod
     def _divide(world: int, sequence_parallel: int) -> int:
@@ -132,14 +202,53 @@ class DeepSpeedConfig:
         self.zero_enabled = self.zero_optimization_stage > 0
         self.float16_config = get_float16_config(param_dict)
         self.bfloat16_config = get_bfloat16_config(param_dict)
-        optimizer = param_dict.get("optimizer")
-        name = optimizer.get("type") if isinstance(optimizer, dict) else None
+        optimizer = _section(param_dict, "optimizer")
+        name = optimizer.get("type")
         self.optimizer_name = name.lower() if isinstance(name, str) and name.lower() in DEEPSPEED_OPTIMIZERS else name
         self.optimizer_params = optimizer.get("params") if name is not None else None
-        self.optimizer_legacy_fusion = _section_value(param_dict, "optimizer", "legacy_fusion") or False
-        scheduler = param_dict.get("scheduler")
-        self.scheduler_name = scheduler.get("type") if isinstance(scheduler, dict) else None
+        self.optimizer_legacy_fusion = optimizer.get("legacy_fusion", False)
+        scheduler = _section(param_dict, "scheduler")
+        self.scheduler_name = scheduler.get("type")
         self.scheduler_params = scheduler.get("params") if self.scheduler_name is not None else None
+        self.gradient_allreduce_op = _gradient_allreduce_op(param_dict)
+        autocast = _section(param_dict, "torch_autocast")
+        self.torch_autocast_enabled = autocast.get("enabled", False)
+        self.torch_autocast_dtype = _autocast_dtype(autocast)
+        self.torch_autocast_lower_precision_safe_modules = _safe_modules(autocast)
+        self._read_checkpoint(_section(param_dict, "checkpoint"))
+        data_types = _section(param_dict, "data_types")
+        self.grad_accum_dtype = data_types.get("grad_accum_dtype")
+        self.param_dtype = data_types.get("param_dtype")
+        self.buffer_dtype = data_types.get("buffer_dtype")
+        self.keep_in_fp32_modules = data_types.get("keep_in_fp32_modules", "auto")
+        if self.keep_in_fp32_modules != "auto" and not (
+            isinstance(self.keep_in_fp32_modules, list) and all(isinstance(n, str) for n in self.keep_in_fp32_modules)
+        ):
+            raise DeepSpeedConfigError(
+                f"DeepSpeed config key 'data_types.keep_in_fp32_modules' = {self.keep_in_fp32_modules!r} is neither "
+                '"auto" nor a list of module-name patterns. Write "auto" or e.g. ["lm_head"].'
+            )
+        self.data_efficiency_enabled = _section(param_dict, "data_efficiency").get("enabled", False)
+        self.pipeline = {**PIPELINE_DEFAULTS, **_section(param_dict, "pipeline")}
+
+    def _read_checkpoint(self, checkpoint: dict) -> None:
+        mode = str(checkpoint.get("tag_validation", "WARN")).upper()
+        if mode not in TAG_VALIDATION_MODES:
+            raise DeepSpeedConfigError(
+                f"DeepSpeed config key 'checkpoint.tag_validation' = {mode!r} is not a validation mode. Write one of "
+                f"{list(TAG_VALIDATION_MODES)}."
+            )
+        self.checkpoint_tag_validation_enabled = mode != "IGNORE"
+        self.checkpoint_tag_validation_fail = mode == "FAIL"
+        self.load_universal_checkpoint = checkpoint.get("load_universal", False)
+        self.use_node_local_storage = checkpoint.get("use_node_local_storage", False)
+        pipeline_write = checkpoint.get("parallel_write", {}).get("pipeline_stage", False)
+        if not isinstance(pipeline_write, bool):
+            raise DeepSpeedConfigError(
+                f"DeepSpeed config key 'checkpoint.parallel_write.pipeline_stage' = {pipeline_write!r} is not a "
+                "boolean. Write true or false."
+            )
+        self.checkpoint_parallel_write_pipeline = pipeline_write
 
     def _check(self) -> None:
         if self.float16_config.enabled and self.bfloat16_config.enabled:
@@ -158,7 +267,9 @@ class DeepSpeedConfig:
         if self.bfloat16_config.bf16_optimizer_states and not self.bfloat16_config.bf16_master_weights_and_grads:
             raise DeepSpeedAssertion("bf16_optimizer_states requires bf16_master_weights_and_grads to be enabled.")
 
-    # The pre-0.18 attribute names scripts still read.
+    # The pre-0.18 attributes scripts still read, with that DeepSpeed's answers: the fp16 values when fp16 is on,
+    # no scaling (1) under bf16, DeepSpeed's fp16 defaults otherwise; loss-scaler arguments only when the fp16
+    # section sets one of them.
     @property
     def fp16_enabled(self) -> bool:
         return self.float16_config.enabled
@@ -168,20 +279,34 @@ class DeepSpeedConfig:
         return self.bfloat16_config.enabled
 
     @property
-    def fp16_auto_cast(self) -> bool:
-        return self.float16_config.auto_cast
+    def fp16_auto_cast(self) -> bool | None:
+        return self.float16_config.auto_cast if self.fp16_enabled else None
 
     @property
     def loss_scale(self) -> float:
-        return self.float16_config.loss_scale
+        if self.fp16_enabled:
+            return self.float16_config.loss_scale
+        return 1.0 if self.bfloat16_enabled else DeepSpeedFP16Config().loss_scale
 
     @property
     def initial_dynamic_scale(self) -> int:
-        return self.float16_config.initial_dynamic_scale()
+        if self.fp16_enabled:
+            return self.float16_config.initial_dynamic_scale()
+        return 1 if self.bfloat16_enabled else DeepSpeedFP16Config().initial_dynamic_scale()
 
     @property
     def dynamic_loss_scale_args(self) -> dict | None:
-        return self.float16_config.dynamic_loss_scale_args() if self.float16_config.enabled else None
+        fp16 = self._param_dict.get("fp16")
+        scaling_keys = {
+            "initial_scale_power",
+            "loss_scale_window",
+            "min_loss_scale",
+            "hysteresis",
+            "consecutive_hysteresis",
+        }
+        if not self.fp16_enabled or not scaling_keys & set(fp16):
+            return None
+        return self.float16_config.dynamic_loss_scale_args()
 
     def translation(self, world_size: int | None = None) -> Translation:
         """What the FSDP2 engine does with this config on `world_size` ranks (default: this process's world)."""

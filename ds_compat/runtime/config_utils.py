@@ -39,7 +39,7 @@ class DeepSpeedConfigModel(BaseModel):
         for old, (new, convert) in self.DEPRECATED.items():
             if old not in self.model_fields_set:
                 continue
-            logger.warning(f"Config parameter {old} is deprecated" + (f" use {new} instead" if new else ""))
+            logger.warning(f"DeepSpeed config key {old} is deprecated" + (f": its value now sets {new}" if new else ""))
             if new is None:
                 continue
             if new in self.model_fields_set:

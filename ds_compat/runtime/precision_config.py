@@ -25,6 +25,13 @@ BFLOAT16_OLD = "bfloat16"  # the older spelling DeepSpeed still reads
 FP16 = "fp16"
 
 
+def _as_float(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 class DeepSpeedBF16Config(DeepSpeedConfigModel):
     enabled: bool = False
     immediate_grad_update: bool = False
@@ -46,38 +53,26 @@ class DeepSpeedFP16Config(DeepSpeedConfigModel):
 
     @field_validator("loss_scale", mode="before")
     @classmethod
-    def _loss_scale_is_a_number(cls, value: Any) -> float:
-        if isinstance(value, bool):
-            raise ValueError("fp16.loss_scale must be a number, not bool")
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise ValueError("fp16.loss_scale must be a number") from None
-        if not math.isfinite(value) or value < 0:
-            raise ValueError("fp16.loss_scale must be a finite number >= 0 (0 enables dynamic loss scaling)")
-        return value
+    def _scale_is_finite_and_not_negative(cls, value: Any) -> float:
+        number = None if isinstance(value, bool) else _as_float(value)
+        if number is None or not math.isfinite(number) or number < 0:
+            raise ValueError(f"fp16.loss_scale = {value!r}: write 0 (dynamic scaling) or a fixed scale > 0")
+        return number
 
     @field_validator("loss_scale_window", "min_loss_scale", mode="before")
     @classmethod
-    def _whole_number(cls, value: Any, info: ValidationInfo) -> Any:
-        name = f"fp16.{info.field_name}"
-        if isinstance(value, bool):
-            raise ValueError(f"{name} must be an integer, not bool")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number (not inf/-inf/nan)")
-        try:
-            int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be an integer") from None
+    def _count_is_a_whole_number(cls, value: Any, info: ValidationInfo) -> Any:
+        whole = not isinstance(value, bool) and _as_float(value) is not None and math.isfinite(_as_float(value))
+        if not whole:
+            raise ValueError(f"fp16.{info.field_name} = {value!r}: write a whole number")
         return value
 
     @model_validator(mode="after")
-    def _dynamic_scaling_values(self) -> DeepSpeedFP16Config:
-        if self.enabled and self.loss_scale == 0:
-            if self.loss_scale_window <= 0:
-                raise ValueError("fp16.loss_scale_window must be > 0 when dynamic loss scaling is enabled")
-            if self.min_loss_scale <= 0:
-                raise ValueError("fp16.min_loss_scale must be > 0 when dynamic loss scaling is enabled")
+    def _dynamic_scaling_needs_a_window_and_a_floor(self) -> DeepSpeedFP16Config:
+        dynamic = self.enabled and self.loss_scale == 0
+        for name in ("loss_scale_window", "min_loss_scale"):
+            if dynamic and getattr(self, name) <= 0:
+                raise ValueError(f"fp16.{name} = {getattr(self, name)}: dynamic loss scaling needs a value > 0")
         return self
 
     def initial_dynamic_scale(self) -> int:

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from ds_compat.alias import submodule_attributes
 from glm45v_fsdp.log import get_logger
 
 if TYPE_CHECKING:
@@ -46,7 +47,9 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
 Z3_LEAF_ATTRIBUTE = "_z3_leaf"  # DeepSpeed's flag name; the engine keeps a flagged module's subtree in one FSDP2 unit
 
 
-def _set_z3_leaf(model: nn.Module, classes: list[type] | list[str], flag: bool, raise_if_not_found: bool):
+def _set_z3_leaf(
+    model: nn.Module, classes: list[type] | list[str], flag: bool, raise_if_not_found: bool
+) -> list[nn.Module]:
     wanted = [c.__name__ if isinstance(c, type) else str(c) for c in classes]
     matched = [module for module in model.modules() if type(module).__name__ in wanted]
     if not matched and raise_if_not_found:
@@ -76,3 +79,6 @@ def z3_leaf_module(model: nn.Module) -> bool:
 
 def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if z3_leaf_module(module)]
+
+
+__getattr__ = submodule_attributes("deepspeed.utils")  # groups, numa, zero_to_fp32 on first use

@@ -26,15 +26,13 @@ SYSFS_CPUS = Path("/sys/devices/system/cpu")
 
 def parse_range(rng: str) -> range:
     """'5' -> range(5, 6); '2-7' -> range(2, 8)."""
-    text = rng.strip()
-    if text.isdigit():
-        return range(int(text), int(text) + 1)
-    first, dash, last = text.partition("-")
-    if not dash or not first.strip().isdigit() or not last.strip().isdigit():
-        raise ValueError(f"Bad range: '{rng}', range must be either a number or two number separated by dash")
-    start, end = int(first), int(last)
+    first, dash, last = rng.strip().partition("-")
+    bounds = (first, last) if dash else (first, first)
+    if not all(bound.strip().isdigit() for bound in bounds):
+        raise ValueError(f"'{rng}' is not a core number or a FIRST-LAST range of core numbers, e.g. 4 or 0-15")
+    start, end = int(bounds[0]), int(bounds[1])
     if start > end:
-        raise ValueError(f"Bad range: '{rng}', range end must larger than or equal to start")
+        raise ValueError(f"'{rng}' runs backwards: write the lower core number first, e.g. {end}-{start}")
     return range(start, end + 1)
 
 
@@ -45,7 +43,7 @@ def parse_range_list(range_str: str) -> list[int]:
         span = parse_range(part)
         if cores and span[0] <= cores[-1]:
             raise ValueError(
-                f"Bad range: '{range_str}', sub ranges must not overlap with each other and should be in ascend order"
+                f"'{range_str}': each range must start above the previous one's last core (ascending, no overlaps)"
             )
         cores.extend(span)
     return cores
@@ -84,8 +82,13 @@ def _memory_binding(cores: list[int], numa_cores: list[list[int]]) -> list[str]:
     memory_only = [node for node, cpus in enumerate(numa_cores) if not cpus]
     if memory_only and len(memory_only) == len(with_cpus):  # flat HBM: each CPU node has its memory-only twin
         return ["-p", str(memory_only[with_cpus.index(home)])]
-    siblings = [node for node in with_cpus if numa_cores[node] == numa_cores[home]]  # fake NUMA splits one node
-    return ["-m", ",".join(map(str, siblings))]
+    # fake NUMA splits one node into neighbours with the same CPUs: the memory of all of them
+    first, last = home, home
+    while first > 0 and numa_cores[first - 1] == numa_cores[home]:
+        first -= 1
+    while last + 1 < len(numa_cores) and numa_cores[last + 1] == numa_cores[home]:
+        last += 1
+    return ["-m", ",".join(map(str, range(first, last + 1)))]
 
 
 def _compress(cores: list[int]) -> str:
@@ -104,8 +107,13 @@ def get_numactl_cmd(bind_core_list: str | None, num_local_procs: int, local_rank
     check_for_numactl_pkg()
     if "KMP_AFFINITY" in os.environ:
         raise ValueError(
-            "Environment variable KMP_AFFINITY conflicts with numactl because it interferes with how many CPU cores "
-            "numactl can set. Unset KMP_AFFINITY before launching."
+            f"KMP_AFFINITY={os.environ['KMP_AFFINITY']} is set: OpenMP would pin threads itself and fight numactl's "
+            "core binding. Unset KMP_AFFINITY before launching."
+        )
+    if not 0 <= local_rank < num_local_procs:
+        raise ValueError(
+            f"local rank {local_rank} is not one of the {num_local_procs} ranks of this node: pass 0 <= local_rank < "
+            "num_local_procs."
         )
     cores = parse_range_list(bind_core_list) if bind_core_list is not None else list(range(physical_core_count()))
     per_rank = len(cores) // num_local_procs

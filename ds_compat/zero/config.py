@@ -56,7 +56,9 @@ class DeepSpeedZeroLeafModuleConfig(DeepSpeedConfigModel):
         if values is None:
             return {}
         if not isinstance(values, dict):
-            raise TypeError("leaf_module configuration must be a mapping of fields to values")
+            raise TypeError(
+                f"zero_optimization.leaf_module must be a section (classes / names / name_suffixes), got {values!r}"
+            )
         return {key: [value] if isinstance(value, str) else value for key, value in values.items()}
 
 
@@ -119,18 +121,22 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     @field_validator("zenflow", mode="before")
     @classmethod
     def _zenflow_section(cls, value: Any) -> Any:
-        return value if value is None or isinstance(value, dict) else dict(value)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"zero_optimization.zenflow must be a section (a JSON object), got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _checks_across_fields(self) -> DeepSpeedZeroConfig:
         if self.overlap_comm is None:
             self.__dict__["overlap_comm"] = self.stage == ZeroStageEnum.weights
         if not self.compute_grad_norm and self.stage not in (ZeroStageEnum.optimizer_states, ZeroStageEnum.gradients):
-            raise ValueError("compute_grad_norm=false is supported only with ZeRO Stage 1 or 2")
+            raise ValueError(f"compute_grad_norm false needs ZeRO stage 1 or 2, not stage {self.stage}")
         if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1.0 and self.stage != 3:
-            raise ValueError("Partial offloading only supported for ZeRO Stage 3.")
+            raise ValueError(
+                f"offload_optimizer.ratio < 1 (a partial offload) needs ZeRO stage 3, not stage {self.stage}"
+            )
         if self.stage == ZeroStageEnum.weights and self.elastic_checkpoint:
-            logger.warning("ZeRO-3 elastic checkpointing is deprecated and no longer supported.")
+            logger.warning("elastic_checkpoint has no effect at ZeRO stage 3 (use universal checkpoints).")
         return self
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ds_compat._common import DeepSpeedAssertion
-from glm45v_fsdp.config import LossScaleConfig
+from glm45v_fsdp.config import LossScaleConfig as _ScaleSettings
+from glm45v_fsdp.errors import TrainingStopped
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.loss_scale import SCALE_FACTOR
 from glm45v_fsdp.loss_scale import LossScaler as _ScaleRules
@@ -66,9 +67,32 @@ class LossScaler(LossScalerBase):
         return False
 
 
+class _Rule:
+    """A DeepSpeed scaler attribute that lives on the engine's scaler under its own name (read and written there)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, scaler: DynamicLossScaler | None, owner: type) -> Any:
+        return self if scaler is None else getattr(scaler._rules, self.name)
+
+    def __set__(self, scaler: DynamicLossScaler, value: Any) -> None:
+        setattr(scaler._rules, self.name, value)
+
+
 class DynamicLossScaler(LossScalerBase):
-    """Dynamic loss scaling with DeepSpeed's arguments; an overflow at `min_scale` stops the run unless
-    `raise_error_at_min_scale=False` (then the scale stays at the floor)."""
+    """Dynamic loss scaling with DeepSpeed's arguments and attributes; an overflow at `min_scale` stops the run
+    unless `raise_error_at_min_scale=False` (then the scale stays at the floor)."""
+
+    cur_scale = _Rule("scale")
+    cur_iter = _Rule("iteration")
+    last_overflow_iter = _Rule("last_overflow")
+    cur_hysteresis = _Rule("hysteresis_left")
+    scale_window = _Rule("window")
+    min_scale = _Rule("min_scale")
+    delayed_shift = _Rule("hysteresis")
+    consecutive_hysteresis = _Rule("consecutive_hysteresis")
+    raise_error_at_min_scale = _Rule("stop_at_min_scale")
 
     def __init__(
         self,
@@ -80,49 +104,31 @@ class DynamicLossScaler(LossScalerBase):
         raise_error_at_min_scale: bool = True,
         dtype: torch.dtype = torch.half,
     ) -> None:
-        rules = LossScaleConfig(
+        settings = _ScaleSettings(
             window=scale_window,
             hysteresis=delayed_shift,
             consecutive_hysteresis=consecutive_hysteresis,
             min_scale=min_scale,
         )
-        self._rules = _ScaleRules(rules, stop_at_min_scale=raise_error_at_min_scale)
+        self._rules = _ScaleRules(settings, stop_at_min_scale=raise_error_at_min_scale)
         super().__init__(init_scale)
         self.scale_factor = SCALE_FACTOR
-        self.scale_window = scale_window
-        self.min_scale = min_scale
-        self.delayed_shift = delayed_shift
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.raise_error_at_min_scale = raise_error_at_min_scale
         self.dynamic = True
         self.dtype = dtype
-
-    @property
-    def cur_scale(self) -> float:
-        return self._rules.scale
-
-    @cur_scale.setter
-    def cur_scale(self, value: float) -> None:
-        self._rules.scale = value
-
-    @property
-    def cur_iter(self) -> int:
-        return self._rules.iteration
-
-    @property
-    def last_overflow_iter(self) -> int:
-        return self._rules.last_overflow
-
-    @property
-    def cur_hysteresis(self) -> int:
-        return self._rules.hysteresis_left
 
     def has_overflow_serial(self, params: Iterable[torch.nn.Parameter]) -> bool:
         return any(p.grad is not None and _has_inf_or_nan(p.grad) for p in params)
 
     def update_scale(self, overflow: bool) -> None:
         before = self.cur_scale
-        self._rules.update(overflow)
+        try:
+            self._rules.update(overflow)
+        except TrainingStopped:
+            raise TrainingStopped(
+                f"The gradients overflow at the minimum loss scale {self.min_scale:g}, which cannot go lower: "
+                "stopping, as DeepSpeed does. Lower the learning rate, check the data, train in bf16, or build the "
+                "scaler with raise_error_at_min_scale=False to keep skipping steps at the floor."
+            ) from None
         if overflow:
             logger.info(f"[deepspeed] OVERFLOW! Skipping step. Loss scale {before:g} -> {self.cur_scale:g}")
 
