@@ -198,10 +198,11 @@ def test_bind_cores_to_rank_pins_each_torchrun_rank(tmp_path):
     """Two ranks (one on a one-core machine) share this process's cores: each gets its own share, bound by numactl,
     and OMP_NUM_THREADS to match."""
     script = tmp_path / "affinity.py"
-    script.write_text(
-        "import os\n"
+    script.write_text(  # each rank writes a file of its own: the ranks' shared stdout can interleave lines
+        "import os, sys\n"
         "cpus = sorted(os.sched_getaffinity(0))\n"
-        "print('RANK', os.environ['RANK'], cpus, os.environ['OMP_NUM_THREADS'], flush=True)\n"
+        "threads = os.environ['OMP_NUM_THREADS']\n"
+        "open(os.path.join(sys.argv[-1], 'rank' + os.environ['RANK']), 'w').write(f'{cpus} {threads}')\n"
     )
     allowed = sorted(os.sched_getaffinity(0))
     ranks = min(2, len(allowed))
@@ -211,7 +212,7 @@ def test_bind_cores_to_rank_pins_each_torchrun_rank(tmp_path):
     launch = [sys.executable, "-m", "ds_compat.launcher", "--num_gpus", str(ranks), "--master_port", str(free_port())]
     cores = ",".join(map(str, allowed))
     result = subprocess.run(
-        [*launch, "--bind_cores_to_rank", "--bind_core_list", cores, str(script)],
+        [*launch, "--bind_cores_to_rank", "--bind_core_list", cores, str(script), str(tmp_path)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -219,8 +220,7 @@ def test_bind_cores_to_rank_pins_each_torchrun_rank(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = sorted(line.split(" ", 2)[1:] for line in result.stdout.splitlines() if line.startswith("RANK"))
-    expected = [[str(r), f"{allowed[r * per_rank : (r + 1) * per_rank]} {per_rank}"] for r in range(ranks)]
-    assert lines == expected
+    seen = [(tmp_path / f"rank{r}").read_text() for r in range(ranks)]
+    assert seen == [f"{allowed[r * per_rank : (r + 1) * per_rank]} {per_rank}" for r in range(ranks)]
     bad = subprocess.run([*launch, "--bind_core_list", "3-1", str(script)], cwd=REPO, env=env, capture_output=True)
     assert bad.returncode == 2 and b"--bind_core_list '3-1'" in bad.stderr
