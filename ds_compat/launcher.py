@@ -382,15 +382,6 @@ def check_core_binding(args: argparse.Namespace, world: Resources, multi_node: b
         )
 
 
-def accelerator_kind() -> str:
-    """The device the ranks will use, as deepspeed's get_accelerator() names it (DS_ACCELERATOR wins)."""
-    if os.environ.get("DS_ACCELERATOR"):
-        return os.environ["DS_ACCELERATOR"]
-    from glm45v_fsdp.runtime.device import select_device
-
-    return select_device("auto").type
-
-
 def check_mpi_flags(args: argparse.Namespace, launcher: str) -> None:
     if args.include or args.exclude:
         raise UserError(f"{launcher} backend does not support worker include/exclusion. Edit the hostfile instead.")
@@ -427,7 +418,9 @@ def mpi_plan(
     if launcher == "impi":
         variables["I_MPI_PIN"] = "0"
     if launcher == "mvapich":
-        variables.update(MVAPICH_EXPORTS, **({"MV2_USE_CUDA": "1"} if accelerator_kind() == "cuda" else {}))
+        from ds_compat.comm import device_layer  # the accelerator deepspeed would find (imports torch)
+
+        variables.update(MVAPICH_EXPORTS, **({"MV2_USE_CUDA": "1"} if device_layer().type == "cuda" else {}))
     hydra = launcher in ("mpich", "mvapich")  # MVAPICH2's mpirun is MPICH's Hydra: the same flags and rank names
     command = ["mpirun", *(["-n", str(total)] if hydra else []), "-ppn", str(per_node), *extra]
     for name, value in variables.items():
@@ -506,12 +499,12 @@ def plan_launch(args: argparse.Namespace, environ: MutableMapping[str, str]) -> 
     multi_node = (args.force_multi or len(world) > 1) and not args.no_ssh
     if args.bind_cores_to_rank:
         check_core_binding(args, world, multi_node)
-    if args.bind_cores_to_rank and multi_node and launcher != "pdsh":
-        raise UserError(
-            f"--bind_cores_to_rank binds the ranks torchrun starts (one node, --no_ssh, pdsh); --launcher {launcher} "
-            "starts them itself. Use its own binding instead (srun --cpu-bind=cores, mpirun --bind-to core or "
-            "-bind-to core), or --launcher pdsh."
-        )
+        if multi_node and launcher != "pdsh":
+            raise UserError(
+                f"--bind_cores_to_rank binds the ranks torchrun starts (one node, --no_ssh, pdsh); --launcher "
+                f"{launcher} starts them itself. Use its own binding instead (srun --cpu-bind=cores, mpirun --bind-to "
+                "core or -bind-to core), or --launcher pdsh."
+            )
     nodes = [Node(host, rank, slots) for rank, (host, slots) in enumerate(world.items())]
     default_addr = nodes[0].host if from_hostfile and (multi_node or len(nodes) > 1) else "127.0.0.1"
     addr = args.master_addr or default_addr

@@ -24,7 +24,7 @@ from ds_compat._common import (
 from glm45v_fsdp.errors import UserError
 
 _STRICT_WHY = "DeepSpeed's schema for this section forbids keys it does not define"
-_DTYPES = {
+DTYPE_NAMES = {  # the spellings DeepSpeed's DtypeEnum takes -> our names
     "fp16": "fp16",
     "float16": "fp16",
     "half": "fp16",
@@ -310,7 +310,7 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
         )
     if fp16_on:
         map_fp16(fp16, report)
-    autocast_dtype = _DTYPES.get(str(autocast.get("dtype", "bf16")).lower())
+    autocast_dtype = DTYPE_NAMES.get(str(autocast.get("dtype", "bf16")).lower())
     if autocast_on and autocast_dtype != "bf16":
         raise not_yet(
             "torch_autocast.dtype",
@@ -367,14 +367,14 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
                 f'communication_data_type says otherwise (set it to "{precision}" for DeepSpeed\'s behaviour).'
             )
     else:
-        reduce = _DTYPES.get(str(comm).lower())
+        reduce = DTYPE_NAMES.get(str(comm).lower())
         if str(comm).lower() not in ("fp32", "bf16", "fp16"):
             raise key_error("communication_data_type", comm, "is rejected by DeepSpeed", 'Write "fp32" or "bf16".')
         report.override("parallel.fsdp_plan.reduce_dtype", reduce)
     data_types = as_section("data_types", ds.get("data_types"))
     for key, value in data_types.items():
         path = f"data_types.{key}"
-        if key == "param_dtype" and value is not None and _DTYPES.get(str(value).lower()) != precision:
+        if key == "param_dtype" and value is not None and DTYPE_NAMES.get(str(value).lower()) != precision:
             raise key_error(
                 path,
                 value,

@@ -86,11 +86,15 @@ class PDSHRunner(MultiNodeRunner):
         return command, kill, environment
 
 
-class SlurmRunner(MultiNodeRunner):
+class _PooledRunner(MultiNodeRunner):
+    """A runner that is also handed the hostfile's {host: slot count} (deepspeed's `resource_pool`)."""
+
     def __init__(self, args: argparse.Namespace, world_info_base64: str, resource_pool: dict[str, int]) -> None:
         super().__init__(args, world_info_base64)
         self.resource_pool = resource_pool
 
+
+class SlurmRunner(_PooledRunner):
     @property
     def name(self) -> str:
         return "slurm"
@@ -109,14 +113,10 @@ class SlurmRunner(MultiNodeRunner):
         return command
 
 
-class _MPIRunner(MultiNodeRunner):
+class _MPIRunner(_PooledRunner):
     """mpirun over the whole hostfile: no --include/--exclude, no --num_nodes/--num_gpus."""
 
     launcher = ""
-
-    def __init__(self, args: argparse.Namespace, world_info_base64: str, resource_pool: dict[str, int]) -> None:
-        super().__init__(args, world_info_base64)
-        self.resource_pool = resource_pool
 
     @property
     def name(self) -> str:

@@ -21,7 +21,7 @@ from ds_compat._common import DeepSpeedAssertion, as_int, key_error
 from ds_compat.config import Translation, load_ds_config, resolve_batch, translate
 from ds_compat.runtime.config_utils import logger
 from ds_compat.runtime.precision_config import DeepSpeedFP16Config, get_bfloat16_config, get_float16_config
-from ds_compat.sections import DEFAULT_GRADIENT_CLIPPING
+from ds_compat.sections import DEFAULT_GRADIENT_CLIPPING, DTYPE_NAMES
 from ds_compat.zero.config import ZeroStageEnum, get_zero_config
 from glm45v_fsdp.errors import ConfigError
 
@@ -74,15 +74,12 @@ PIPELINE_DEFAULTS = {
     "pipe_partitioned": True,
     "grad_partitioned": True,
 }
-AUTOCAST_DTYPES = {
-    **dict.fromkeys(("fp16", "float16", "half", "torch.float16", torch.float16), torch.float16),
-    **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16", torch.bfloat16), torch.bfloat16),
-    **dict.fromkeys(("fp32", "float32", "float", "torch.float32", torch.float32), torch.float32),
+COMMUNICATION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+AUTOCAST_DTYPES = {  # DeepSpeed's DtypeEnum: the translator's spellings, the torch dtypes themselves, and int8
+    **{name: COMMUNICATION_DTYPES[ours] for name, ours in DTYPE_NAMES.items()},
+    **{dtype: dtype for dtype in COMMUNICATION_DTYPES.values()},
     **dict.fromkeys(("int8", "torch.int8", torch.int8), torch.int8),
 }
-
-
-COMMUNICATION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class DeepSpeedConfigError(Exception):
