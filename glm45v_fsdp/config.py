@@ -534,11 +534,11 @@ def _field_type(path: str) -> Any:
     return cls
 
 
-def _deep_merge(base: dict, extra: dict) -> dict:
+def deep_merge(base: dict, extra: dict) -> dict:
     merged = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
+            merged[key] = deep_merge(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -572,7 +572,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not key:
             raise ConfigError(f"Override '{item}' has an empty key. Write key.path=value.")
         _set_path(override_tree, key, raw)
-    config = _build(Config, _deep_merge(tree, override_tree), "")
+    config = _build(Config, deep_merge(tree, override_tree), "")
     validate(config)
     return config
 

@@ -27,6 +27,7 @@ from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMoE
 
 from glm45v_fsdp.checkpoint.dcp import load_checkpoint, resolve_load
 from glm45v_fsdp.checkpoint.hf import load_hf_weights
+from glm45v_fsdp.checkpoint.in_memory import FullTensors, load_full_tensors
 from glm45v_fsdp.checkpoint.layout import KeyDiff, describe_diff, summarize_keys
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.log import get_logger
@@ -34,6 +35,7 @@ from glm45v_fsdp.memory.chunk_loss import apply_chunk_loss, choose_chunk
 from glm45v_fsdp.memory.offload import apply_activation_offload, describe_offload
 from glm45v_fsdp.memory.recompute import apply_recompute, kept_inside
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, materialize
+from glm45v_fsdp.model.init import allocate
 from glm45v_fsdp.model.moe import MoEBlock
 from glm45v_fsdp.ops.apply import apply_ops
 from glm45v_fsdp.ops.registry import REFERENCE, choose_ops, log_choice
@@ -50,6 +52,16 @@ from glm45v_fsdp.tools.estimate import ActivationEstimate, loss_peak_bytes
 
 
 @dataclass(frozen=True)
+class GivenWeights:
+    """Weights a script's own model holds (the DeepSpeed engine door), loaded by the weights plan instead of
+    training.load: full shapes, and each full tensor on demand."""
+
+    shapes: dict[str, tuple[int, ...]]
+    tensors: FullTensors
+    source: str  # for the log: where they came from
+
+
+@dataclass(frozen=True)
 class PlanContext:
     """What the plans apply against. `meshes` None: a dry run (preflight) on the meta model, no process group."""
 
@@ -59,6 +71,7 @@ class PlanContext:
     device: DeviceLayer
     meshes: ParallelMeshes | None = None
     torch_device: torch.device = torch.device("cpu")
+    weights: GivenWeights | None = None
 
     @property
     def dry(self) -> bool:
@@ -100,6 +113,11 @@ def _moe_layers(hf_config: object) -> range:
     return range(min(text.first_k_dense_replace, text.num_hidden_layers), text.num_hidden_layers)
 
 
+def moe_layer_names(hf_config: object) -> list[str]:
+    """The MoE layers (`...layers.N.mlp`) the moe plan replaces, in order."""
+    return [f"{LANGUAGE_MODEL}.layers.{index}.mlp" for index in _moe_layers(hf_config)]
+
+
 class MoEPlan(Plan):
     name, key = "moe", "model (its MoE layers)"
 
@@ -114,9 +132,12 @@ class MoEPlan(Plan):
             parent_name, _, attribute = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             assert isinstance(getattr(parent, attribute), Glm4vMoeTextMoE), f"{name} is not transformers' MoE block"
+            frozen = {name for name, param in getattr(parent, attribute).named_parameters() if not param.requires_grad}
             with torch.device("meta"):
                 block = MoEBlock(ctx.hf_config.text_config)
             block.gate.skew = ctx.config.model.router_skew
+            for name, param in block.named_parameters():  # a script's frozen experts stay frozen
+                param.requires_grad_(name not in frozen)
             setattr(parent, attribute, block)
         return matches
 
@@ -419,27 +440,45 @@ class WeightsPlan(Plan):
         config, log = ctx.config, get_logger()
         offloaded = is_sharded(model) and config.parallel.fsdp_plan.cpu_offload
         # FSDP2's CPU offload wants the sharded parameters on the host; buffers (rotary tables) compute on the device.
-        materialize(model, torch.device("cpu") if offloaded else ctx.torch_device, config.training.seed)
+        host = torch.device("cpu") if offloaded else ctx.torch_device
+        if ctx.weights is not None:
+            allocate(model, host)
+            copied = load_full_tensors(model, ctx.weights.shapes, ctx.weights.tensors)
+            log.info(
+                "weights: %s: %d tensor(s), %.1f MiB copied into this rank's shards",
+                ctx.weights.source,
+                len(ctx.weights.shapes),
+                copied / 2**20,
+            )
+        else:
+            materialize(model, host, config.training.seed)
         if offloaded:
             _move_buffers(model, ctx.torch_device)
-        source = resolve_load(config.training)
-        if source is None:
-            log.info("weights: initialised from scratch (seed %d); no checkpoint was loaded", config.training.seed)
-        elif source.format == "hf":
-            _load_hf(model, source.path, config.training.load_strict)
-        elif source.format == "dcp-weights":
-            diff = load_checkpoint(model, None, source.path, strict=config.training.load_strict)
-            log.info("weights: loaded from weights-only DCP checkpoint %s (training starts at step 0)", source.path)
-            if not diff.ok:
-                log.warning("weights: not loaded (training.load_strict=false): %s", describe_diff(diff))
-        else:
-            kind = "DeepSpeed" if source.format == "deepspeed" else "DCP"
-            log.info("weights: restored from %s checkpoint %s once the optimizer is built (resume)", kind, source.path)
+        if ctx.weights is None:
+            _load_configured(model, config)
         return []
 
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
         load = config.training.load
         return f"materialise on the device, then load {load}" if load else "materialise, initialised from the seed"
+
+
+def _load_configured(model: nn.Module, config: Config) -> None:
+    """training.load's weights (HF or weights-only DCP) into the materialised model; a resume's come later."""
+    log = get_logger()
+    source = resolve_load(config.training)
+    if source is None:
+        log.info("weights: initialised from scratch (seed %d); no checkpoint was loaded", config.training.seed)
+    elif source.format == "hf":
+        _load_hf(model, source.path, config.training.load_strict)
+    elif source.format == "dcp-weights":
+        diff = load_checkpoint(model, None, source.path, strict=config.training.load_strict)
+        log.info("weights: loaded from weights-only DCP checkpoint %s (training starts at step 0)", source.path)
+        if not diff.ok:
+            log.warning("weights: not loaded (training.load_strict=false): %s", describe_diff(diff))
+    else:
+        kind = "DeepSpeed" if source.format == "deepspeed" else "DCP"
+        log.info("weights: restored from %s checkpoint %s once the optimizer is built (resume)", kind, source.path)
 
 
 def _load_hf(model: nn.Module, directory: Path, strict: bool) -> None:

@@ -186,7 +186,7 @@ def read_headers(files: dict[str, Path]) -> dict[str, tuple[Shape, str]]:
     return headers
 
 
-def _local_box(tensor: torch.Tensor) -> tuple[Shape, Shape] | None:
+def local_box(tensor: torch.Tensor) -> tuple[Shape, Shape] | None:
     """(global offset, local size) of this rank's shard; None when the placements are not one box."""
     if not isinstance(tensor, DTensor):
         return (0,) * tensor.dim(), tuple(tensor.shape)
@@ -235,7 +235,7 @@ def load_hf_weights(model: nn.Module, directory: str | Path, strict: bool = True
     fallback = []
     for name, tensor in targets.items():
         pieces = [p for p in checkpoint_pieces(name, tuple(tensor.shape), layout) if found.get(p.key) == p.shape]
-        box = _local_box(tensor)
+        box = local_box(tensor)
         if box is None:
             fallback.append((tensor, pieces))
         else:

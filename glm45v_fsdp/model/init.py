@@ -113,14 +113,33 @@ def _std_for(model: nn.Module, fqn: str) -> float:
 
 
 @torch.no_grad()
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Allocate a meta model on `device` (values undefined) and recompute the non-persistent rotary buffers; for
+    weights that are copied in whole afterwards (`checkpoint.in_memory`)."""
+    model.to_empty(device=device)
+    for module_name, module in model.named_modules():
+        if _is_rotary(module):
+            _reset_rotary(module)
+            continue
+        unknown = module._non_persistent_buffers_set & set(module._buffers)
+        if unknown:
+            raise RuntimeError(
+                f"materialize: no rule to recompute non-persistent buffers {sorted(unknown)} of '{module_name}'."
+            )
+
+
+def _is_rotary(module: nn.Module) -> bool:
+    return "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq")
+
+
+@torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate a meta model on `device` and fill it deterministically from (seed, FQN); FSDP2-sharded or not."""
-    model.to_empty(device=device)
+    allocate(model, device)
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
-            _reset_rotary(module)
+        if _is_rotary(module):
             continue
         tensors = list(module.named_parameters(recurse=False)) + [
             (name, buffer)
@@ -132,8 +151,3 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
                 continue
             seen.add(id(tensor))
             _fill(module, name, prefix + name, tensor, _std_for(model, prefix + name), seed)
-        unknown = module._non_persistent_buffers_set & set(module._buffers)
-        if unknown:
-            raise RuntimeError(
-                f"materialize: no rule to recompute non-persistent buffers {sorted(unknown)} of '{module_name}'."
-            )

@@ -28,12 +28,13 @@ REQUIRED_FSDP_UNITS = ("model.visual",)
 def forward_hidden(model: nn.Module, batch: dict, image_outputs: object | None = None) -> torch.Tensor:
     """Run `model.model` (vision tower + language model) on a collated batch -> last hidden state [B, S, H].
 
-    position_ids may be [3, B, S] (mRoPE) or [4, B, S] (packed: row 0 holds the per-sequence text positions).
+    position_ids may be [3, B, S] (mRoPE) or [4, B, S] (packed: row 0 holds the per-sequence text positions), or
+    absent: the model then derives the mRoPE positions from input_ids, image_grid_thw and mm_token_type_ids.
     `image_outputs` are the batch's vision features computed beforehand (see `encode_images`); without them the
     model runs its vision tower itself on `pixel_values`.
     """
     inputs = {key: batch[key] for key in _MODEL_INPUTS if batch.get(key) is not None}
-    if inputs["position_ids"].shape[0] == 4 and batch.get("cu_seqlens") is not None:
+    if "position_ids" in inputs and inputs["position_ids"].shape[0] == 4 and batch.get("cu_seqlens") is not None:
         # a packed row: the sample boundaries for a varlen attention kernel (ops/apply.py), device and host copies
         inputs["ops_cu_seqlens"] = batch["cu_seqlens"]
         inputs["ops_seqlens"] = batch["cu_seqlens"].tolist()
@@ -99,14 +100,23 @@ def lm_loss_sum(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor)
     """(sum of fp32 token cross-entropy, number of supervised tokens) of `hidden` against per-position `targets`
     (already shifted: position t predicts targets[t]; IGNORE_INDEX is unsupervised). An lm_head that
     `computes_loss` (the chunked loss) computes the same sum itself, inside its own forward."""
+    loss_sum, count, _ = lm_loss_sum_and_logits(hidden, lm_head, targets)
+    return loss_sum, count
+
+
+def lm_loss_sum_and_logits(
+    hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """lm_loss_sum and the fp32 logits it computed on the way; None for the logits of an lm_head that `computes_loss`
+    (the chunked loss never holds the whole sequence's logits)."""
     if getattr(lm_head, "computes_loss", False):
-        return lm_head(hidden, targets)
+        return (*lm_head(hidden, targets), None)
     logits = lm_head(hidden).float()
     targets = targets.to(logits.device)
     loss_sum = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    return loss_sum, (targets != IGNORE_INDEX).sum()
+    return loss_sum, (targets != IGNORE_INDEX).sum(), logits
 
 
 def causal_lm_loss_sum(
@@ -121,12 +131,19 @@ def model_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.T
     """The training forward: (CE sum of this rank's part of the micro batch, supervised tokens of the whole micro
     batch). The labels are shifted on the whole (padded) sequence before the layout takes this rank's part, and the
     count is the unsplit one, so every rank of a split sequence normalises its partial sum by the same number."""
+    loss_sum, count, _ = model_loss_sum_and_logits(model, batch)
+    return loss_sum, count
+
+
+def model_loss_sum_and_logits(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """model_loss_sum and this rank's fp32 logits (None under the chunked loss). `batch["shift_labels"]`, when
+    given, are the targets already shifted (as transformers accepts them); else `labels` are shifted here."""
     layout = model.sequence_layout
     batch = layout.pad(batch)
     hidden = forward_hidden(model, batch, layout.encode_images(model, batch))
-    targets = shift_labels(batch["labels"])
-    loss_sum, _ = lm_loss_sum(hidden, model.lm_head, layout.shard(targets, dim=1))
-    return loss_sum, (targets != IGNORE_INDEX).sum()
+    targets = batch["shift_labels"] if batch.get("shift_labels") is not None else shift_labels(batch["labels"])
+    loss_sum, _, logits = lm_loss_sum_and_logits(hidden, model.lm_head, layout.shard(targets, dim=1))
+    return loss_sum, (targets != IGNORE_INDEX).sum(), logits
 
 
 class Glm4vMoeForTraining(Glm4vMoeForConditionalGeneration):

@@ -273,8 +273,9 @@ def apply_expert_parallel(
         if ep_mesh is None:
             continue
         for stack in EXPERT_STACKS:
-            sharded = distribute_tensor(getattr(experts, stack), ep_mesh, [Shard(0)], src_data_rank=None)
-            setattr(experts, stack, nn.Parameter(sharded))
+            full = getattr(experts, stack)
+            sharded = distribute_tensor(full, ep_mesh, [Shard(0)], src_data_rank=None)
+            setattr(experts, stack, nn.Parameter(sharded, requires_grad=full.requires_grad))
         group, size, rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
         if dispatcher == "alltoall":
             block.dispatcher = AllToAllDispatcher(group, size, rank, experts.num_experts, balance)

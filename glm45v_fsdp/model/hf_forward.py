@@ -1,0 +1,109 @@
+"""transformers' forward contract on the training model, for scripts that call the model themselves (the DeepSpeed
+engine door: the HF Trainer, accelerate, TRL, LLaMA-Factory).
+
+`Glm4vMoeForScripts` keeps the training model's modules, names and loss path (`model_loss_sum_and_logits`: the
+sequence layout, the vision tower first, the chunked loss when its plan is on) and takes the keyword batch an HF
+collator makes, returning transformers' `MultimodalMoeCausalLMOutputWithPast`:
+- `loss`: the token mean of the micro batch's cross-entropy, or its sum over `num_items_in_batch` when the HF Trainer
+  passes that count (its normalisation over the accumulation and the ranks), as transformers' ForCausalLMLoss;
+- `logits`: fp32 logits when the loss is not chunked; None under the chunked loss, which never holds them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Glm4vMoeForConditionalGeneration
+from transformers.modeling_outputs import MultimodalMoeCausalLMOutputWithPast
+
+from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.model.loss import Glm4vMoeForTraining, forward_hidden, model_loss_sum_and_logits
+
+# Keyword arguments transformers' forward takes that change nothing in a training forward without a cache.
+_NEUTRAL = {"use_cache", "return_dict", "output_attentions", "output_hidden_states", "cache_position", "rope_deltas"}
+# What this forward cannot honour, with the reason (a silent ignore would train on something else).
+_REFUSED = {
+    "inputs_embeds": "the training forward embeds input_ids itself",
+    "past_key_values": "the training forward runs without a key/value cache",
+    "pixel_values_videos": "video input is not supported yet",
+    "video_grid_thw": "video input is not supported yet",
+    "logits_to_keep": "the training forward computes the loss over the whole sequence",
+}
+
+
+class Glm4vMoeForScripts(Glm4vMoeForTraining):
+    """GLM-4.5V for scripts written against transformers: same modules and parameter names as
+    `Glm4vMoeForConditionalGeneration`, so `state_dict`, `save_pretrained` and `from_pretrained` interchange.
+
+    `applied_plans` ({plan: modules matched}) is set when the plans are applied (builders.adopt_model)."""
+
+    applied_plans: dict[str, int]
+
+    def save_pretrained(self, save_directory, *args: Any, is_main_process: bool = True, **kwargs: Any) -> None:
+        """transformers' save_pretrained; config.json names transformers' class (not this one), so the directory
+        loads with transformers alone."""
+        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            self.config.architectures = [Glm4vMoeForConditionalGeneration.__name__]
+            self.config.save_pretrained(save_directory)
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers=1):
+        """transformers' activation_checkpointing_enable() (the HF Trainer calls it at each train()) after the plans
+        were applied: the recompute plan already does it, and transformers' own must not run on top of it."""
+        if not enable:
+            return
+        if "recompute" not in self.applied_plans:
+            raise UserError(
+                "activation_checkpointing_enable() / gradient_checkpointing_enable() was called on GLM-4.5V after "
+                "deepspeed.initialize, where the recompute plan is applied once, on the whole model. Call it before "
+                "deepspeed.initialize (the HF Trainer does, for gradient_checkpointing=True), or add "
+                '"activation_checkpointing": {} to the ds_config.'
+            )
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        **kwargs: Any,
+    ) -> MultimodalMoeCausalLMOutputWithPast:
+        _check_kwargs(kwargs)
+        if input_ids is None:
+            raise UserError("The GLM-4.5V training forward needs input_ids (the model was called without them).")
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "pixel_values": pixel_values,
+            "image_grid_thw": image_grid_thw,
+            "mm_token_type_ids": mm_token_type_ids,
+        }
+        if labels is None and shift_labels is None:
+            layout = self.sequence_layout
+            batch = layout.pad(batch)
+            hidden = forward_hidden(self, batch, layout.encode_images(self, batch))
+            return MultimodalMoeCausalLMOutputWithPast(logits=self.lm_head(hidden).float())
+        batch.update(labels=labels, shift_labels=shift_labels)
+        loss_sum, count, logits = model_loss_sum_and_logits(self, batch)
+        divisor = count if num_items_in_batch is None else num_items_in_batch
+        if torch.is_tensor(divisor):
+            divisor = divisor.to(loss_sum.device)
+        return MultimodalMoeCausalLMOutputWithPast(loss=loss_sum / divisor, logits=logits)
+
+
+def _check_kwargs(kwargs: dict[str, Any]) -> None:
+    for key, value in kwargs.items():
+        if key in _NEUTRAL or value is None:
+            continue
+        reason = _REFUSED.get(key, "it is not an input of transformers' Glm4vMoeForConditionalGeneration.forward")
+        raise UserError(
+            f"The GLM-4.5V model was called with '{key}' ({type(value).__name__}), which this backend's training "
+            f"forward does not take: {reason}. Remove it from the batch (the collator or the forward call)."
+        )
