@@ -33,6 +33,7 @@ from ds_compat._common import (
     is_number,
     key_error,
 )
+from ds_compat.extension import map_extension
 from ds_compat.specs import OptimizerSpec, SchedulerSpec, optimizer_spec, scheduler_spec
 from glm45v_fsdp.config import (
     Config,
@@ -340,10 +341,10 @@ class Translation:
     def sequence_parallel_size(self) -> int:
         return self.world_size // self.dp_world_size
 
-    def apply(self, base: Config) -> Config:
-        """`base` with the overrides applied, validated (layout included) for this world size."""
+    def apply(self, base: Config, extra: list[str] | tuple[str, ...] = ()) -> Config:
+        """`base` with the overrides (then `extra` ones) applied, validated (layout included) for this world size."""
         tree = to_dict(base)
-        for item in self.overrides:
+        for item in [*self.overrides, *extra]:
             key, raw = item.split("=", 1)
             *parents, leaf = key.split(".")
             node = tree
@@ -437,6 +438,7 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
     sections.map_activation_checkpointing(ds, report)
     sections.map_expert_parallel(ds, world_size, dp, stage, report)
     sections.map_unsupported_features(ds, report)
+    map_extension(ds, report)
     return Translation(
         batch=batch,
         overrides=report.overrides,

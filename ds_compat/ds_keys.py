@@ -265,7 +265,9 @@ MAPPED_TOP: frozenset[str] = frozenset(
         "weight_quantization",
     }
 )
-KNOWN_TOP: frozenset[str] = MAPPED_TOP | NO_EFFECT_TOP | frozenset(REMOVED_TOP_LEVEL)
+# The ds_config section of this backend's own keys (ds_compat/extension.py); DeepSpeed ignores it.
+EXTENSION_KEY = "glm45v_fsdp"
+KNOWN_TOP: frozenset[str] = MAPPED_TOP | NO_EFFECT_TOP | frozenset(REMOVED_TOP_LEVEL) | {EXTENSION_KEY}
 
 ACTIVATION_CHECKPOINTING_KEYS = frozenset(
     {

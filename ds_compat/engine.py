@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import io
 import os
 from collections.abc import Callable, Iterator
@@ -32,17 +31,20 @@ from torch.utils.data import DistributedSampler, IterableDataset
 from ds_compat.comm import device_layer, get_local_rank
 from ds_compat.config import Translation, translate
 from ds_compat.dataloader import DeepSpeedDataLoader
+from ds_compat.glm_door import check_autoep_section, is_glm45v, model_overrides, take_weights
 from ds_compat.utils import groups, z3_leaf_module
 from ds_compat.zero.partition_parameters import gather_full, is_partitioned
+from glm45v_fsdp.builders import adopt_model
 from glm45v_fsdp.checkpoint.dcp import LoadAdvice, load_checkpoint, save_model_and_optimizer
 from glm45v_fsdp.checkpoint.deepspeed import load_into, read_deepspeed, tag_dir_of
 from glm45v_fsdp.checkpoint.safe_load import load_pt, unsafe_globals
 from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE
-from glm45v_fsdp.config import Config
+from glm45v_fsdp.config import Config, to_dict
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger, setup_logging
 from glm45v_fsdp.optim import RecipeSchedule, build_scheduler
 from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, compute_precision
+from glm45v_fsdp.plans import moe_layer_names
 from glm45v_fsdp.runtime import ParallelMeshes, build_parallel_dims
 from glm45v_fsdp.step import OptimizerStep, StepOutcome
 
@@ -65,6 +67,7 @@ NOT_APPLIED = {
     ),
     "training.tensorboard": "the engine writes no tensorboard events (our trainer does)",
 }
+PLAN_KEYS = {"features.recompute.enabled", "features.activation_offload.enabled"}  # applied to GLM-4.5V by plan
 
 
 def auto_fsdp_units(model: nn.Module) -> list[str]:
@@ -223,27 +226,32 @@ class DeepSpeedEngine(nn.Module):
         self.device_layer = device_layer()
         self.device = self.device_layer.device(self.local_rank)
         self.translation: Translation = translate(config, self.world_size)
+        self.glm45v = is_glm45v(model)  # GLM-4.5V runs on the plan registry; any other module on the generic path
         if self.translation.sequence_parallel_size > 1:
             raise UserError(
                 f"DeepSpeed config key 'sequence_parallel_size' = {self.translation.sequence_parallel_size} is not "
-                "supported by the engine API: splitting the sequence of an arbitrary module needs the model's own "
-                "sequence-parallel attention (DeepSpeed takes it through mpu / mesh_param, which this backend does "
-                "not accept). GLM-4.5V trains with Ulysses context parallelism through our trainer: "
+                "supported by the engine API yet: splitting the sequence needs the model's own sequence-parallel "
+                "attention (DeepSpeed takes it through mpu / mesh_param, which this backend does not accept). "
+                "GLM-4.5V trains with Ulysses context parallelism through our trainer: "
                 "`python -m glm45v_fsdp.train --deepspeed ds_config.json`. Remove the key for the engine API."
             )
         expert_parallel = next(
             (item for item in self.translation.overrides if item.startswith("parallel.expert_parallel_size=")), None
         )
-        if expert_parallel is not None:
+        if expert_parallel is not None and not self.glm45v:
             raise UserError(
                 f"DeepSpeed config key 'expert_parallel.autoep_size' = {expert_parallel.partition('=')[2]} is not "
-                "supported by the engine API: splitting the experts of an arbitrary module needs to know its MoE "
-                "block (router, expert stacks, how tokens reach them), which this backend knows for GLM-4.5V only. "
-                "GLM-4.5V trains with expert parallelism through our trainer: `python -m glm45v_fsdp.train "
-                "--deepspeed ds_config.json`. Set expert_parallel.enabled to false for the engine API."
+                f"supported for a {type(model).__name__} by the engine API: splitting the experts of a module needs "
+                "to know its MoE block (router, expert stacks, how tokens reach them), which this backend knows for "
+                "GLM-4.5V (transformers' Glm4vMoeForConditionalGeneration) only. Set expert_parallel.enabled to "
+                "false, or pass a GLM-4.5V."
             )
         self.config = self.translation.ds_config  # DeepSpeed's engine.config: the config dict
-        self._config = self.translation.apply(Config())
+        from_model = []
+        if self.glm45v and not hasattr(model, SHARDED_AS):
+            check_autoep_section(self.config, model, moe_layer_names(model.config))
+            from_model = model_overrides(model)
+        self._config = self.translation.apply(Config(), from_model)
         self.dims = build_parallel_dims(self._config.parallel, self.world_size)
         self.meshes = ParallelMeshes(self.dims, self.device_layer.type)
         groups.use_meshes(self.meshes)  # deepspeed.utils.groups answers from this engine's meshes
@@ -267,12 +275,16 @@ class DeepSpeedEngine(nn.Module):
             self.log.warning("ds_compat: %s", warning)
         for item in self.translation.overrides:
             key, _, value = item.partition("=")
-            if key in NOT_APPLIED and value not in ("false", "0"):
+            if key in NOT_APPLIED and value not in ("false", "0") and not (self.glm45v and key in PLAN_KEYS):
                 self.log.warning("ds_compat: %s: %s", item, NOT_APPLIED[key])
 
         old_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-        self.plan = dataclasses.replace(self._config.parallel.fsdp_plan, apply_modules=auto_fsdp_units(model))
-        self.module = self._shard(model)
+        if self.glm45v:
+            self.plan = self._config.parallel.fsdp_plan
+            self.module = self._adopt(model, from_model)
+        else:
+            self.plan = dataclasses.replace(self._config.parallel.fsdp_plan, apply_modules=auto_fsdp_units(model))
+            self.module = self._shard(model)
         if not hasattr(self.module, WHOLE_STATE_DICT):  # once per model (an earlier engine may have shared it)
             self.module.register_state_dict_post_hook(_whole_state_dict_hook)
             self.module.register_load_state_dict_pre_hook(_whole_load_state_dict_hook)
@@ -325,35 +337,75 @@ class DeepSpeedEngine(nn.Module):
     # ------------------------------------------------------------------------------------------------------
     # Setup
     # ------------------------------------------------------------------------------------------------------
-    def _shard(self, model: nn.Module) -> nn.Module:
-        on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        if on_meta:
-            raise UserError(
-                "The model passed to initialize() has parameters on the meta device. Materialise them first "
-                "(e.g. model.to_empty(device=...) and initialise the weights) — the engine shards real tensors."
-            )
-        sharding = (tuple(self.meshes.dense_shard.mesh.flatten().tolist()), self.plan.param_dtype,
-                    self.plan.reduce_dtype, self.plan.cpu_offload)  # fmt: skip
+    def _sharding(self) -> tuple:
+        """What an engine fixed in place when it sharded a model; a later engine on the same model must agree."""
+        ranks = tuple(self.meshes.dense_shard.mesh.flatten().tolist())
+        sharding = (ranks, self.plan.param_dtype, self.plan.reduce_dtype, self.plan.cpu_offload)
+        return (*sharding, self._plan_keys()) if self.glm45v else sharding
+
+    def _plan_keys(self) -> tuple[str, ...]:
+        """The config the plans were applied with (features, parallel, ops), for the GLM-4.5V door."""
+        tree = to_dict(self._config)
+        return tuple(f"{key}={tree[key]}" for key in ("model", "parallel", "features"))
+
+    def _reuse(self, model: nn.Module) -> bool:
+        """An earlier engine's model (HF's second train(), evaluate() then train()): True when it can be reused."""
         previous = getattr(model, SHARDED_AS, None)
-        if previous is not None:  # an earlier engine's model (HF's second train(), evaluate() then train())
-            if previous != sharding:
+        if previous is None:
+            on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+            if on_meta:
                 raise UserError(
-                    f"deepspeed.initialize was given a model an earlier engine sharded with FSDP2 as (ranks, param "
-                    f"dtype, reduce dtype, cpu offload) = {previous}; this config needs {sharding}, which FSDP2 cannot "
-                    "change in place. Use the same precision, offload and world, or build the model again."
+                    "The model passed to initialize() has parameters on the meta device. Materialise them first "
+                    "(e.g. model.to_empty(device=...) and initialise the weights) — the engine shards real tensors."
                 )
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
-                    if module is not model:
-                        module.set_reshard_after_forward(self.plan.reshard_after_forward)
-            self.log.info("ds_compat: the model is already sharded by an earlier engine; its FSDP2 units are kept")
-            return model
-        if any(isinstance(module, FSDPModule) for module in model.modules()):
+            if any(isinstance(module, FSDPModule) for module in model.modules()):
+                raise UserError(
+                    "deepspeed.initialize was given a model already sharded with FSDP2 by something else than this "
+                    "engine. Pass the plain model."
+                )
+            return False
+        sharding = self._sharding()
+        if previous != sharding:
             raise UserError(
-                "deepspeed.initialize was given a model already sharded with FSDP2 by something else than this "
-                "engine. Pass the plain model."
+                f"deepspeed.initialize was given a model an earlier engine sharded with FSDP2 as (ranks, param "
+                f"dtype, reduce dtype, cpu offload{', plans' if self.glm45v else ''}) = {previous}; this config needs "
+                f"{sharding}, which FSDP2 cannot change in place. Use the same precision, offload, world and plans, "
+                "or build the model again."
             )
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+                if module is not model:
+                    module.set_reshard_after_forward(self.plan.reshard_after_forward)
+        self.log.info("ds_compat: the model is already sharded by an earlier engine; its FSDP2 units are kept")
+        return True
+
+    def _adopt(self, model: nn.Module, from_model: list[str]) -> nn.Module:
+        """GLM-4.5V: the script's model rebuilt in place on the plan registry (ds_compat/glm_door.py)."""
+        if self._reuse(model):
+            return model
+        self.log.info(
+            "ds_compat: GLM-4.5V recognised (%s): built through the plan registry as our trainer builds it; "
+            "from the model: %s",
+            type(model).__name__,
+            ", ".join(from_model),
+        )
+        partitioned = _take_zero_init_partitions(model)
+        pending = {name: functools.partial(gather_full, param) for name, param in partitioned.items()}
+        weights = take_weights(model, pending, self.device, broadcast=self.world_size > 1)
+        matched = adopt_model(model, self._config, self.dims, self.meshes, self.device_layer, self.device, weights)
+        if "chunk_loss" in matched:
+            self.log.info(
+                "ds_compat: the loss is chunked (%s): the model's output holds .loss and no logits",
+                self._config.features.chunk_loss.mode,
+            )
+        setattr(model, SHARDED_AS, self._sharding())
+        return model
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        if self._reuse(model):
+            return model
+        sharding = self._sharding()
         partitioned = _take_zero_init_partitions(model)
         device = torch.device("cpu") if self.plan.cpu_offload else self.device
         with torch.no_grad():
@@ -385,7 +437,7 @@ class DeepSpeedEngine(nn.Module):
             optimizer = self.translation.optimizer.build(groups, fused=self.device_layer.has_fused_adamw())
             self.log.info("ds_compat: optimizer from the ds_config: %s", self.translation.optimizer.describe())
         elif isinstance(client_optimizer, torch.optim.Optimizer):
-            optimizer = self._rebuild_optimizer(client_optimizer, old_names, new_params)
+            optimizer = self._repoint_optimizer(client_optimizer, old_names, new_params)
         elif callable(client_optimizer):
             optimizer = client_optimizer(groups)
             self.log.info("ds_compat: optimizer from the client callable: %s", type(optimizer).__name__)
@@ -402,28 +454,27 @@ class DeepSpeedEngine(nn.Module):
                 seen.add(id(param))
         self.optimizer = self.basic_optimizer = optimizer
 
-    def _rebuild_optimizer(
-        self, old: torch.optim.Optimizer, old_names: dict[int, str], new_params: dict[str, nn.Parameter]
+    def _repoint_optimizer(
+        self, client: torch.optim.Optimizer, old_names: dict[int, str], new_params: dict[str, nn.Parameter]
     ) -> torch.optim.Optimizer:
-        """fully_shard replaced the parameters the client optimizer holds: the same class with the same param-group
-        hyperparameters, on the sharded parameters (mapped by name)."""
-        if any(old.state.values()):
+        """fully_shard replaced the parameters the client optimizer holds: its param groups are re-pointed at the
+        sharded ones (mapped by name) in place, so the object stays the client's, as in DeepSpeed, and a scheduler
+        or anything else built on it before initialize() drives the live optimizer."""
+        if any(client.state.values()):
             self.log.warning(
-                "ds_compat: the client optimizer already holds state (it has stepped); the rebuilt optimizer starts "
-                "without it"
+                "ds_compat: the client optimizer already holds state (it has stepped); it restarts without it on the "
+                "sharded parameters"
             )
-        cls = type(old)
-        groups = _remap_groups([dict(group) for group in old.param_groups], old_names, new_params)
-        accepted = inspect.signature(cls.__init__).parameters
-        defaults = {key: value for key, value in old.defaults.items() if key in accepted}
-        rebuilt = cls(groups, **defaults)
+        groups = _remap_groups([dict(group) for group in client.param_groups], old_names, new_params)
+        for group, remapped in zip(client.param_groups, groups):
+            group["params"] = remapped["params"]
+        client.state.clear()
         self.log.info(
-            "ds_compat: the client optimizer %s was built on the unsharded parameters; FSDP2 replaced them, so it was "
-            "rebuilt (same class and param-group hyperparameters) on the sharded ones. Use the optimizer initialize() "
-            "returns (or engine.optimizer), not the original object.",
-            cls.__name__,
+            "ds_compat: the client optimizer %s now holds the sharded parameters (same object, same param-group "
+            "hyperparameters)",
+            type(client).__name__,
         )
-        return rebuilt
+        return client
 
     def _configure_lr_scheduler(self, client_scheduler: Any) -> None:
         if client_scheduler is not None:
@@ -435,7 +486,7 @@ class DeepSpeedEngine(nn.Module):
                 if getattr(client_scheduler, "optimizer", self.optimizer) is not self.optimizer:
                     client_scheduler.optimizer = self.optimizer
                     _mark_stepped_by_scheduler(self.optimizer)
-                    self.log.info("ds_compat: the client lr scheduler now drives the rebuilt optimizer")
+                    self.log.info("ds_compat: the client lr scheduler now drives the engine's optimizer")
         elif self.translation.scheduler is not None:
             spec = self.translation.scheduler
             self.lr_scheduler = build_scheduler(self.optimizer, spec.recipe(self.translation.optimizer))

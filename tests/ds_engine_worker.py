@@ -1,7 +1,8 @@
 """ds_compat engine checks that need real FSDP2 sharding (2 ranks); tests/test_ds_engine.py runs it and reads --out.
 
 ZeRO 3 (parameters replaced by fully_shard) with a client optimizer object (two param groups) and a client
-LambdaLR object: the optimizer must be rebuilt on the sharded parameters and the scheduler must follow it. Then
+LambdaLR object: the optimizer must stay the client's object, now holding the sharded parameters, so the scheduler
+passed to initialize and one built on it but not passed (ms-swift's) both drive the live optimizer. Then
 save_checkpoint / zero_to_fp32 / save_16bit_model / load_checkpoint variants, checked against the engine's own
 full state dict.
 """
@@ -49,6 +50,26 @@ def build(bf16: bool, data=None):
     return engine, optimizer, loader, lr_scheduler, client, scheduler
 
 
+def unpassed_scheduler_drives(data) -> bool:
+    """ms-swift builds its HF scheduler on the client optimizer before initialize and does not pass it: stepping
+    that scheduler must change the lr the engine's steps use."""
+    torch.manual_seed(1234)
+    model = script.TinyLM()
+    client = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    side = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 0.5**step)
+    engine, optimizer, loader, _ = deepspeed.initialize(
+        model=model, optimizer=client, training_data=data, config=config(False)
+    )
+    lrs = []
+    for index, batch in enumerate(loader):
+        engine.backward(engine(batch))
+        engine.step()
+        if (index + 1) % engine.gradient_accumulation_steps() == 0:  # after each optimizer step, as the HF Trainer
+            side.step()
+            lrs.append((engine.get_lr()[0], side.get_last_lr()[0]))
+    return optimizer is client and lrs == [(5e-4, 5e-4), (2.5e-4, 2.5e-4)]
+
+
 def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)
 
@@ -64,7 +85,7 @@ def main() -> None:
 
     data = script.Tokens(16)
     engine, optimizer, loader, lr_scheduler, client, scheduler = build(False, data)
-    checks["optimizer_rebuilt"] = optimizer is not client and type(optimizer) is torch.optim.AdamW
+    checks["optimizer_kept"] = optimizer is client and engine.optimizer is client
     checks["groups_kept"] = [(g["weight_decay"], g["initial_lr"]) for g in optimizer.param_groups] == [
         (0.1, 1e-3),
         (0.0, 5e-4),
@@ -108,6 +129,7 @@ def main() -> None:
     path, client_state = fresh.load_checkpoint(args.save_dir)
     checks["full_load"] = [os.path.basename(path), client_state, fresh.global_steps, fresh.get_lr()]
 
+    checks["unpassed_scheduler_drives"] = unpassed_scheduler_drives(data)
     try:
         deepspeed.initialize(model=script.TinyLM(), config={"train_batch_size": 2, "sequence_parallel_size": 2})
         checks["sequence_parallel_refused"] = None

@@ -1,0 +1,90 @@
+"""The ds_config's extension section: this backend's own keys for what DeepSpeed has no key for.
+
+    "glm45v_fsdp": {"features": {"chunk_loss": {"mode": "dynamic"}, "ep_balance": {"enabled": true}},
+                    "model": {"ops": "auto"}, "parallel": {"data_parallel_replicate_size": 2}}
+
+The section holds our YAML config's keys (docs/config.md), nested as in the YAML, and is validated as YAML overrides
+are: an unknown key is an error with "did you mean". DeepSpeed ignores the section, so one ds_config serves both
+backends. Keys that a DeepSpeed key already decides, and what the script owns (its data, its training loop, its
+model), are refused with the key to use instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds_compat._common import Report, as_section
+from ds_compat.ds_keys import EXTENSION_KEY
+from glm45v_fsdp.config import Config, config_from_dict, deep_merge, parse_override_value, to_dict
+from glm45v_fsdp.errors import ConfigError
+
+# Our keys that a DeepSpeed key decides -> that key.
+DECIDED_BY_DEEPSPEED = {
+    "parallel.expert_parallel_size": "expert_parallel.autoep_size",
+    "parallel.ulysses_parallel_size": "sequence_parallel_size",
+    "parallel.fsdp_plan.param_dtype": "bf16.enabled / fp16.enabled",
+    "parallel.fsdp_plan.reduce_dtype": "communication_data_type",
+    "parallel.fsdp_plan.reshard_after_forward": "zero_optimization.stage",
+    "parallel.fsdp_plan.cpu_offload": "zero_optimization.offload_param",
+    "features.recompute.enabled": "activation_checkpointing (or the model's gradient_checkpointing_enable())",
+    "features.activation_offload.enabled": "activation_checkpointing.cpu_checkpointing",
+}
+# Sections and keys the script owns under the DeepSpeed API (and the ds_config's own keys under our trainer).
+OWNED_ELSEWHERE = {
+    "training": "the batch sizes, optimizer, schedule, clipping and precision come from the ds_config's DeepSpeed "
+    "keys, the training loop from the script",
+    "data": "the script's data loader feeds the batches",
+    "model.preset": "the model is the one the script passes to deepspeed.initialize",
+    "model.name_or_path": "the model is the one the script passes to deepspeed.initialize",
+    "model.config_overrides": "the model's config is the one the script built it with",
+    "model.attn_implementation": "the model's attention is the one the script built it with (attn_implementation=)",
+}
+
+
+def _leaves(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    items = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            items.extend(_leaves(value, path + "."))
+        else:
+            items.append((path, value))
+    return items
+
+
+def map_extension(ds: dict, report: Report) -> None:
+    """The extension section onto `key.path=value` overrides (call after the DeepSpeed keys are mapped)."""
+    if EXTENSION_KEY not in ds:
+        return
+    section = as_section(EXTENSION_KEY, ds[EXTENSION_KEY])
+    leaves = _leaves(section)
+    for path, value in leaves:
+        owner = next((key for key in OWNED_ELSEWHERE if path == key or path.startswith(key + ".")), None)
+        if owner is not None:
+            raise ConfigError(
+                f"DeepSpeed config key '{EXTENSION_KEY}.{path}' = {value!r} cannot be set here: "
+                f"{OWNED_ELSEWHERE[owner]}. Remove it from the '{EXTENSION_KEY}' section."
+            )
+        if path in DECIDED_BY_DEEPSPEED:
+            raise ConfigError(
+                f"DeepSpeed config key '{EXTENSION_KEY}.{path}' = {value!r} is decided by DeepSpeed's own key "
+                f"'{DECIDED_BY_DEEPSPEED[path]}'. Set that key instead and remove this one."
+            )
+    tree = to_dict(Config())
+    for item in report.overrides:  # validated together with what the DeepSpeed keys set (EP for EP balance, ...)
+        key, raw = item.split("=", 1)
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node[part]
+        node[leaf] = parse_override_value(raw)
+    try:
+        config_from_dict(deep_merge(tree, section))
+    except ConfigError as error:
+        raise ConfigError(f"DeepSpeed config section '{EXTENSION_KEY}': {error}") from None
+    for path, value in leaves:
+        report.override(path, value)
+    report.note(
+        f"'{EXTENSION_KEY}' (this backend's keys, which DeepSpeed ignores): "
+        + ", ".join(f"{path}={value!r}" for path, value in leaves)
+    )

@@ -1,0 +1,130 @@
+"""GLM-4.5V through `deepspeed.initialize`: the engine recognises transformers' model and builds it on the same plan
+registry as our trainer (glm45v_fsdp.builders.adopt_model), switched by DeepSpeed's own keys.
+
+What reaches the plans, and from where:
+- the ds_config's translation (ds_compat.config): ZeRO stage -> FSDP2 layout, precision, `expert_parallel` -> EP,
+  `activation_checkpointing` -> recompute, `cpu_checkpointing` -> activation offload, and the extension section
+  (ds_compat.extension) for what DeepSpeed has no key for (chunked loss, EP balance, ops, HSDP replicate);
+- the model itself: transformers' activation checkpointing, switched on before `initialize` (the HF Trainer's
+  gradient_checkpointing=True, LLaMA-Factory), becomes the recompute plan and is switched off in transformers; its
+  attention implementation; its weights, requires_grad and parameter names.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import Glm4vMoeForConditionalGeneration
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from ds_compat._common import key_error
+from glm45v_fsdp.checkpoint.layout import model_tensors
+from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.model.hf_forward import Glm4vMoeForScripts
+from glm45v_fsdp.plans import GivenWeights
+
+MODEL_TYPE = "glm4v_moe"
+PRESET_NAME = "glm4v_moe"  # expert_parallel.preset_model for GLM-4.5V (DeepSpeed 0.19 has no preset for it)
+ROUTER, EXPERTS = "gate", "experts"  # AutoEP's router_pattern / expert_pattern: child names in the MoE layer
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+
+
+def is_glm45v(model: nn.Module) -> bool:
+    """transformers' GLM-4.5V with its own forward (a subclass that overrides forward keeps the generic path)."""
+    if not isinstance(model, Glm4vMoeForConditionalGeneration):
+        return False
+    if getattr(model.config, "model_type", None) != MODEL_TYPE:
+        return False
+    return type(model).forward in (Glm4vMoeForConditionalGeneration.forward, Glm4vMoeForScripts.forward)
+
+
+def model_overrides(model: nn.Module) -> list[str]:
+    """Our config keys the script's model decides: its attention implementation, and transformers' activation
+    checkpointing (then switched off in transformers: the recompute plan replaces it, never runs beside it)."""
+    attention = model.config._attn_implementation
+    if attention not in ATTENTION:
+        raise UserError(
+            f"The GLM-4.5V model passed to deepspeed.initialize uses attn_implementation={attention!r}; this backend "
+            f"runs {', '.join(ATTENTION)}. Build the model with one of them (from_pretrained(..., "
+            'attn_implementation="sdpa")).'
+        )
+    overrides = [f"model.attn_implementation={attention}"]
+    layers = [name for name, module in model.named_modules() if isinstance(module, GradientCheckpointingLayer)]
+    checkpointed = [name for name in layers if model.get_submodule(name).gradient_checkpointing]
+    if checkpointed:
+        model.activation_checkpointing_disable()
+        overrides.append("features.recompute.enabled=true")
+        if checkpointed != layers:  # transformers' every_n_layers: the same layers, by name
+            overrides.append(f"features.recompute.apply_modules={checkpointed}")
+    return overrides
+
+
+def check_autoep_section(ds_config: dict, model: nn.Module, moe_layers: list[str]) -> None:
+    """AutoEP's keys that locate the MoE layers must describe this model: `preset_model` glm4v_moe, a
+    `moe_layer_pattern` that matches exactly its MoE layers (among the modules with an experts child, as AutoEP
+    skips dense ones), `router_pattern` gate, `expert_pattern` experts."""
+    section = ds_config.get("expert_parallel") or {}
+    if not section.get("enabled", False):
+        return
+    preset = section.get("preset_model")
+    if preset is not None and preset != PRESET_NAME:
+        raise key_error(
+            "expert_parallel.preset_model",
+            preset,
+            f"is not GLM-4.5V's preset; the model passed to initialize is GLM-4.5V ({MODEL_TYPE})",
+            f'Write "{PRESET_NAME}" or remove the key (the MoE layers are found from the model).',
+        )
+    pattern = section.get("moe_layer_pattern")
+    if pattern is not None:
+        # as AutoEP: a matched module without an experts child is a dense MLP, skipped
+        matched = [
+            name for name, module in model.named_modules() if re.fullmatch(pattern, name) and hasattr(module, EXPERTS)
+        ]
+        shown = ", ".join(matched[:3]) + (", ..." if len(matched) > 3 else "")
+        if matched != moe_layers:
+            raise key_error(
+                "expert_parallel.moe_layer_pattern",
+                pattern,
+                f"matches {len(matched)} module(s) ({shown or 'none'}), not GLM-4.5V's {len(moe_layers)} MoE "
+                f"layers ({moe_layers[0]} ... {moe_layers[-1]})",
+                r'Write "model\.language_model\.layers\.\d+\.mlp" or remove the key.',
+            )
+    for key, child in (("router_pattern", ROUTER), ("expert_pattern", EXPERTS)):
+        value = section.get(key)
+        if value is not None and value != child:
+            raise key_error(
+                f"expert_parallel.{key}",
+                value,
+                f"names no child of GLM-4.5V's MoE layers (the {key.split('_')[0]} is '{child}')",
+                f'Write "{child}" or remove the key.',
+            )
+
+
+def take_weights(
+    model: nn.Module, pending: dict[str, Callable[[], torch.Tensor]], device: torch.device, broadcast: bool
+) -> GivenWeights:
+    """The script's weights, held by reference (no copy), and the model moved to the meta device in fp32 (FSDP2's
+    master weights; requires_grad kept). `pending`: parameters whose values the module does not hold (zero.Init
+    partitions, already meta in the module), each gathered when the weights plan copies it. `broadcast`: each tensor
+    is rank 0's (as DeepSpeed broadcasts the model at initialize), so every rank starts from the same weights."""
+    tensors, _ = model_tensors(model)
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    held = {name: tensor.detach() for name, tensor in tensors.items() if name not in pending}
+    source = "the model passed to deepspeed.initialize" + (
+        f" ({len(pending)} zero.Init partition(s) gathered one at a time)" if pending else ""
+    )
+    model.to(device="meta", dtype=torch.float32)
+
+    def rank0(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(device)
+        if broadcast:
+            dist.broadcast(tensor, src=0)
+        return tensor
+
+    getters = {name: functools.partial(rank0, tensor) for name, tensor in held.items()}
+    return GivenWeights(shapes, {**getters, **pending}, source)

@@ -1,0 +1,155 @@
+"""A DeepSpeed-API training script on transformers' GLM-4.5V (tests/test_glm_door.py runs it under `ds-fsdp`).
+
+`import deepspeed`, `Glm4vMoeForConditionalGeneration.from_pretrained(--hf_dir)` with a frozen vision tower, and
+`loss = engine(**batch).loss; engine.backward(loss); engine.step()` on our data pipeline's synthetic image-text
+batches (unshuffled; the trainer door's sampler gives the same micro batches). In one launch:
+- "off": every feature off (ZeRO 3 only);
+- "on": the same with expert_parallel.autoep_size 2, activation_checkpointing and the extension's dynamic chunk loss
+  and EP balance; a checkpoint at --save_at; after the last step the consolidated state dict, saved by the model's
+  own save_pretrained, and the same tensors as safetensors for the test to compare;
+- "resumed": a fresh model and engine that load the checkpoint and train the steps after it.
+Rank 0 writes --out/result.json: per run the per-step losses (mean over the ranks), and what the door reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+
+import deepspeed
+import torch
+from safetensors.torch import save_file
+from transformers import Glm4vMoeForConditionalGeneration
+
+from glm45v_fsdp.builders import build_training_data
+from glm45v_fsdp.config import load_config
+from glm45v_fsdp.data import GlobalBatchSampler, build_dataloader
+
+HF_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "labels",
+    "pixel_values",
+    "image_grid_thw",
+    "mm_token_type_ids",
+    "position_ids",
+)
+OFF = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 3},
+    "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 2e-3}},
+    "steps_per_print": 1000,
+}
+ON = {
+    **copy.deepcopy(OFF),
+    "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "glm4v_moe"},
+    "activation_checkpointing": {"partition_activations": False},
+    "glm45v_fsdp": {
+        "features": {"chunk_loss": {"mode": "dynamic", "logits_budget_mib": 0.02}, "ep_balance": {"enabled": True}}
+    },
+}
+
+
+def build(hf_dir: str, config: dict):
+    model = Glm4vMoeForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
+    model.model.visual.requires_grad_(False)
+    frozen = sorted(name for name, param in model.named_parameters() if not param.requires_grad)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert engine.module is model, "the engine trains the script's own model object"
+    kept = sorted(name for name, param in model.named_parameters() if not param.requires_grad)
+    assert kept == frozen, "requires_grad as the script left it"
+    return model, engine
+
+
+def batches(engine, start_step: int):
+    config = load_config(None, ["data.shuffle=false"])
+    data = build_training_data(config, engine.module.config)
+    sampler = GlobalBatchSampler(
+        dataset_size=len(data.dataset),
+        micro_batch_size=engine.train_micro_batch_size_per_gpu(),
+        gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+        dp_rank=engine.get_data_parallel_rank(),
+        dp_size=engine.dp_world_size,
+        seed=config.training.seed,
+        shuffle=False,
+        start_step=start_step,
+    )
+    loader = build_dataloader(data.dataset, sampler, data.tokenizer.pad_token_id, packing=False, num_workers=0)
+    for batch in loader:
+        yield {key: batch[key] for key in HF_KEYS}
+
+
+def train(engine, first: int, last: int, save=None) -> list[float]:
+    """Steps first+1 .. last; `save(step)` after each."""
+    losses = []
+    loader = batches(engine, first)
+    for step in range(first + 1, last + 1):
+        total = 0.0
+        for _ in range(engine.gradient_accumulation_steps()):
+            output = engine(**next(loader))
+            engine.backward(output.loss)
+            engine.step()
+            total += output.loss.item()
+        mean = torch.tensor(total / engine.gradient_accumulation_steps(), dtype=torch.float64)
+        deepspeed.comm.all_reduce(mean)
+        losses.append(mean.item() / deepspeed.comm.get_world_size())
+        if save is not None:
+            save(step)
+    return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf_dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save_at", type=int, default=3)
+    parser.add_argument("--runs", default="off,on,resumed", help="which of the runs, comma-separated")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = deepspeed.comm.get_rank()
+    result = {"backend": deepspeed.__name__}
+
+    runs = args.runs.split(",")
+    if "off" in runs:
+        _, off = build(args.hf_dir, OFF)
+        result["off"] = train(off, 0, args.steps)
+        off.destroy()
+
+    model, on = build(args.hf_dir, ON)
+    checkpoint = os.path.join(args.out, "checkpoint")
+
+    def save(step: int) -> None:
+        if step == args.save_at and "resumed" in runs:
+            on.save_checkpoint(checkpoint, tag=f"step{step}", client_state={"step": step})
+
+    result["on"] = train(on, 0, args.steps, save)
+    result["applied_plans"] = dict(model.applied_plans)
+    state = on._zero3_consolidated_16bit_state_dict()
+    if rank == 0:
+        model.save_pretrained(os.path.join(args.out, "export"), state_dict=state)
+        save_file(
+            {key: value.contiguous() for key, value in state.items()}, os.path.join(args.out, "state.safetensors")
+        )
+    deepspeed.comm.barrier()
+    on.destroy()
+
+    if "resumed" in runs:
+        _, resumed = build(args.hf_dir, ON)
+        _, client = resumed.load_checkpoint(checkpoint, tag=f"step{args.save_at}")
+        assert client == {"step": args.save_at} and resumed.global_steps == args.save_at
+        result["resumed"] = train(resumed, args.save_at, args.steps)
+    if rank == 0:
+        with open(os.path.join(args.out, "result.json"), "w") as handle:
+            json.dump(result, handle, indent=1)
+    deepspeed.comm.barrier()
+
+
+if __name__ == "__main__":
+    main()

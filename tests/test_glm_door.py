@@ -1,0 +1,308 @@
+"""GLM-4.5V through the DeepSpeed engine door on the whole engine (ds_compat/glm_door.py, builders.adopt_model).
+
+Launched under `ds-fsdp`, fp32 on CPU ranks, transformers' tiny GLM-4.5V saved as an HF directory:
+- tests/glm_door_script.py (the DeepSpeed API: `engine(**batch).loss`) on 2 and 4 ranks with ZeRO 3,
+  expert_parallel.autoep_size 2, activation_checkpointing and the extension's dynamic chunk loss and EP balance: the
+  per-step losses equal our trainer's (`python -m glm45v_fsdp.train --deepspeed` with the same ds_config, weights and
+  samples) and the same script's with every feature off; the consolidated save reloads in transformers with equal
+  tensors; a resume from its checkpoint continues exactly;
+- tests/glm_hf_trainer_script.py (HF Trainer, "auto" ds_config, gradient_checkpointing=True, HF-style collator
+  without position_ids): the same, against the trainer door, with save_model and resume_from_checkpoint.
+In process: the forward contract (transformers' loss as token mean and with num_items_in_batch, logits) on 1 rank,
+the extension section's and AutoEP keys' errors, transformers' checkpointing switch, and a model that is not
+GLM-4.5V keeping the generic path.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, clean_env, free_port, mean_relative_error, read_metrics, spawn, train
+from safetensors.torch import load_file
+from transformers import Glm4vMoeForConditionalGeneration
+
+from ds_compat.config import translate
+from ds_compat.glm_door import check_autoep_section, is_glm45v, model_overrides
+from glm45v_fsdp.config import ModelConfig
+from glm45v_fsdp.errors import ConfigError
+from glm45v_fsdp.model import load_hf_config
+from glm45v_fsdp.plans import moe_layer_names
+
+API_SCRIPT = REPO / "tests" / "glm_door_script.py"
+TRAINER_SCRIPT = REPO / "tests" / "glm_hf_trainer_script.py"
+STEPS, SAVE_AT = 6, 3
+LIMIT = 1e-5  # mean relative loss error, fp32
+
+
+def launch(script: Path, nproc: int, out: Path, *args: str) -> str:
+    """`ds-fsdp --num_gpus N SCRIPT ARGS` (as `python -m ds_compat.launcher`), DeepSpeed's CPU accelerator."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = clean_env()
+    env["DS_ACCELERATOR"] = "cpu"
+    command = [sys.executable, "-m", "ds_compat.launcher", "--num_gpus", str(nproc), "--master_port", str(free_port())]
+    result = subprocess.run(
+        [*command, str(script), "--out", str(out), *args],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout + result.stderr
+
+
+def trainer_door(out: Path, ds_config: dict, hf_dir: Path, nproc: int, *overrides: str) -> list[float]:
+    """Our trainer with the same ds_config, weights (training.load) and unshuffled samples: its per-step losses."""
+    path = out.parent / f"{out.name}.json"
+    path.write_text(json.dumps(ds_config))
+    args = ["--deepspeed", str(path), f"training.load={hf_dir}", "data.shuffle=false", f"training.train_iters={STEPS}"]
+    result = train(out, [*args, *overrides], nproc=nproc)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [record["loss"] for record in read_metrics(out)]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    torch.manual_seed(3)
+    out = tmp_path_factory.mktemp("glm_hf")
+    Glm4vMoeForConditionalGeneration(load_hf_config(ModelConfig())).save_pretrained(out)
+    return out
+
+
+def api_run(root: Path, hf_dir: Path, nproc: int, runs: str) -> dict:
+    """The DeepSpeed-API script's `runs` on `nproc` ranks and the trainer door beside it."""
+    log = launch(API_SCRIPT, nproc, root / "door", "--hf_dir", str(hf_dir), "--steps", str(STEPS), "--runs", runs)
+    sys.path.insert(0, str(REPO / "tests"))
+    from glm_door_script import ON
+
+    freeze = "model.freeze=[model.visual]"  # the script freezes the vision tower
+    reference = trainer_door(root / "trainer", ON, hf_dir, nproc, freeze)
+    return {
+        "root": root,
+        "log": log,
+        "result": json.loads((root / "door" / "result.json").read_text()),
+        "ref": reference,
+    }
+
+
+@pytest.fixture(scope="module")
+def api2(tmp_path_factory, hf_dir) -> dict:
+    return api_run(tmp_path_factory.mktemp("api2"), hf_dir, 2, "off,on,resumed")
+
+
+@pytest.fixture(scope="module")
+def api4(tmp_path_factory, hf_dir) -> dict:
+    """4 ranks: EP 2 inside FSDP over 4 (each expert stack sharded over 2 efsdp ranks)."""
+    return api_run(tmp_path_factory.mktemp("api4"), hf_dir, 4, "on")
+
+
+@pytest.mark.parametrize("ranks", ["api2", "api4"])
+def test_api_script_on_the_whole_engine_equals_the_trainer_door(ranks, request):
+    run_ = request.getfixturevalue(ranks)
+    result = run_["result"]
+    assert result["backend"] == "ds_compat"
+    assert len(result["on"]) == STEPS
+    assert mean_relative_error(result["on"], run_["ref"], STEPS) <= LIMIT
+    # every plan ran, and the log names each with what it matched
+    assert {"moe", "ops", "recompute", "chunk_loss", "expert_parallel", "fsdp"} <= set(result["applied_plans"])
+    for plan in ("moe", "recompute", "chunk_loss", "expert_parallel", "fsdp"):
+        assert f"[plan {plan}]" in run_["log"]
+    assert "GLM-4.5V recognised" in run_["log"] and "no logits" in run_["log"]
+    assert "balance up to 1 replica(s)/rank" in run_["log"]
+    assert_reloads(run_["root"] / "door", "export")
+
+
+def assert_reloads(out: Path, directory: str) -> None:
+    """The directory the script saved loads in transformers with the engine's consolidated tensors."""
+    saved = load_file(out / "state.safetensors")
+    reloaded = Glm4vMoeForConditionalGeneration.from_pretrained(out / directory, dtype=torch.float32).state_dict()
+    assert set(reloaded) == set(saved)
+    for key, value in saved.items():
+        assert torch.equal(reloaded[key], value), key
+    config = json.loads((out / directory / "config.json").read_text())
+    assert config["architectures"] == ["Glm4vMoeForConditionalGeneration"]
+
+
+def test_api_script_features_off_gives_the_same_losses(api2):
+    assert mean_relative_error(api2["result"]["on"], api2["result"]["off"], STEPS) <= LIMIT
+
+
+def test_api_script_resume_continues_exactly(api2):
+    result = api2["result"]
+    assert result["resumed"] == pytest.approx(result["on"][SAVE_AT:], rel=1e-9, abs=0.0)
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory, hf_dir) -> dict:
+    root = tmp_path_factory.mktemp("hf_trainer")
+    log = launch(TRAINER_SCRIPT, 2, root / "door", "--hf_dir", str(hf_dir))
+    launch(TRAINER_SCRIPT, 2, root / "door", "--hf_dir", str(hf_dir), "--resume")
+    ds_config = json.loads((root / "door" / "ds_config.json").read_text())
+    # transformers' GLM-4.5V declares accepts_loss_kwargs=False: the Trainer averages the micro batches' token means,
+    # as the trainer door's loss_type=default does
+    reference = trainer_door(root / "trainer", ds_config, hf_dir, 2)
+    return {
+        "root": root,
+        "log": log,
+        "result": json.loads((root / "door" / "result.json").read_text()),
+        "resumed": json.loads((root / "door" / "resumed.json").read_text()),
+        "ref": reference,
+    }
+
+
+def test_hf_trainer_on_the_whole_engine_equals_the_trainer_door(trainer_run):
+    result = trainer_run["result"]
+    assert result["backend"] == "ds_compat.engine"
+    assert mean_relative_error(result["losses"], trainer_run["ref"], STEPS) <= LIMIT
+    # gradient_checkpointing=True became the recompute plan; transformers' own checkpointing is off
+    assert result["applied_plans"]["recompute"] > 0 and result["transformers_checkpointing"] is False
+    assert "features.recompute.enabled=true" in trainer_run["log"]
+    # from_pretrained after TrainingArguments at ZeRO 3 built the model under zero.Init: its partitions were gathered
+    assert "zero.Init partition(s) gathered" in trainer_run["log"]
+    assert result["applied_plans"]["expert_parallel"] == 3 and "chunk_loss" in result["applied_plans"]
+
+
+def test_hf_trainer_save_model_reloads_and_resume_continues(trainer_run):
+    assert_reloads(trainer_run["root"] / "door", "final")
+    losses = trainer_run["result"]["losses"]
+    assert trainer_run["resumed"]["losses"] == pytest.approx(losses[SAVE_AT:], rel=1e-9, abs=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# In process
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _forward_contract_worker(rank: int, port: int, chunked: bool) -> None:
+    """1 rank: the door's forward against transformers' own model on the same weights and batch."""
+    import os
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import ds_compat as deepspeed
+    from glm45v_fsdp.builders import build_training_data
+    from glm45v_fsdp.config import load_config
+    from glm45v_fsdp.data.collate import collate
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(5)
+    model = Glm4vMoeForConditionalGeneration(load_hf_config(ModelConfig()))
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    if chunked:
+        config["glm45v_fsdp"] = {"features": {"chunk_loss": {"mode": "static", "chunk_size": 16}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    data = build_training_data(load_config(None, ["data.shuffle=false"]), model.config)
+    batch = collate([data.dataset[0], data.dataset[1]], data.tokenizer.pad_token_id)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw")}
+    inputs["mm_token_type_ids"] = batch["mm_token_type_ids"]
+    with torch.no_grad():
+        ours, theirs = engine(**inputs), reference(**inputs)
+        torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=0)
+        count = torch.tensor(37)
+        ours_n, theirs_n = engine(**inputs, num_items_in_batch=count), reference(**inputs, num_items_in_batch=count)
+        torch.testing.assert_close(ours_n.loss, theirs_n.loss, rtol=1e-5, atol=0)
+        assert not torch.allclose(ours_n.loss, ours.loss)  # the count changes the normalisation
+        if chunked:
+            assert ours.logits is None
+        else:
+            torch.testing.assert_close(ours.logits, theirs.logits.float(), rtol=1e-4, atol=1e-5)
+        unlabeled = {key: value for key, value in inputs.items() if key != "labels"}
+        assert engine(**unlabeled).loss is None and engine(**unlabeled).logits.shape[:2] == batch["input_ids"].shape
+    try:
+        engine(**inputs, inputs_embeds=torch.zeros(1))
+    except Exception as error:  # noqa: BLE001 - the refusal must name the key and the fix
+        assert "inputs_embeds" in str(error) and "Remove it" in str(error)
+    else:
+        raise AssertionError("inputs_embeds was accepted")
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["full_logits", "chunked"])
+def test_forward_returns_transformers_loss_token_mean_and_num_items(chunked):
+    spawn(_forward_contract_worker, (free_port(), chunked), nprocs=1)
+
+
+def _meta_glm() -> Glm4vMoeForConditionalGeneration:
+    with torch.device("meta"):
+        return Glm4vMoeForConditionalGeneration(load_hf_config(ModelConfig()))
+
+
+def test_transformers_checkpointing_becomes_the_recompute_plan_and_is_switched_off():
+    model = _meta_glm()
+    assert model_overrides(model) == ["model.attn_implementation=sdpa"]
+    model.activation_checkpointing_enable()
+    assert model_overrides(model) == ["model.attn_implementation=sdpa", "features.recompute.enabled=true"]
+    assert not model.is_activation_checkpointing  # transformers' own no longer runs
+    model.activation_checkpointing_enable(every_n_layers=2)  # the same layers by name
+    overrides = model_overrides(model)
+    assert overrides[-1].startswith("features.recompute.apply_modules=['model.visual.blocks.0'")
+
+
+def test_autoep_keys_must_describe_glm45v():
+    model = _meta_glm()
+    layers = moe_layer_names(model.config)
+    good = {
+        "enabled": True,
+        "autoep_size": 2,
+        "preset_model": "glm4v_moe",
+        "moe_layer_pattern": r"model\.language_model\.layers\.\d+\.mlp",
+    }
+    good.update(router_pattern="gate", expert_pattern="experts")
+    check_autoep_section({"expert_parallel": good}, model, layers)  # the layer 0 `mlp` is dense: not matched
+    bad = {
+        "preset_model": ("mixtral", "not GLM-4.5V's preset"),
+        "moe_layer_pattern": (r"model\.layers\.\d+\.mlp", "matches 0 module(s)"),
+        "router_pattern": ("router", "names no child"),
+        "expert_pattern": ("mlp", "names no child"),
+    }
+    for key, (value, problem) in bad.items():
+        with pytest.raises(ConfigError, match=f"expert_parallel.{key}.*{re.escape(problem)}"):
+            check_autoep_section({"expert_parallel": {**good, key: value}}, model, layers)
+
+
+def test_extension_section_is_validated_like_overrides():
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    ok = translate(
+        {**base, "glm45v_fsdp": {"features": {"chunk_loss": {"mode": "dynamic"}}, "model": {"ops": "reference"}}}, 2
+    )
+    assert "features.chunk_loss.mode=dynamic" in ok.overrides and "model.ops=reference" in ok.overrides
+    cases = {
+        "features": ({"chunk_los": {"mode": "dynamic"}}, "Did you mean 'features.chunk_loss'"),
+        "parallel": ({"expert_parallel_size": 2}, "decided by DeepSpeed's own key 'expert_parallel.autoep_size'"),
+        "training": ({"lr": 1.0}, "cannot be set here"),
+        "model": ({"name_or_path": "x"}, "cannot be set here"),
+    }
+    for section, (value, message) in cases.items():
+        with pytest.raises(ConfigError, match=message) as error:
+            translate({**base, "glm45v_fsdp": {section: value}}, 2)
+        assert "glm45v_fsdp" in str(error.value)
+    # EP balance is validated together with the EP size the DeepSpeed key gives
+    with pytest.raises(ConfigError, match="ep_balance"):
+        translate({**base, "glm45v_fsdp": {"features": {"ep_balance": {"enabled": True}}}}, 2)
+    ep = {**base, "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    assert (
+        "features.ep_balance.enabled=true"
+        in translate({**ep, "glm45v_fsdp": {"features": {"ep_balance": {"enabled": True}}}}, 2).overrides
+    )
+
+
+def test_other_models_keep_the_generic_path():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        llama = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64))
+    assert not is_glm45v(llama) and is_glm45v(_meta_glm())
+
+    class OwnForward(Glm4vMoeForConditionalGeneration):
+        def forward(self, **kwargs):
+            return super().forward(**kwargs)
+
+    with torch.device("meta"):
+        assert not is_glm45v(OwnForward(load_hf_config(ModelConfig())))
