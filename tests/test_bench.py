@@ -363,3 +363,66 @@ def test_deepspeed_bench_alternate_runs_the_bare_loop_and_the_engine_on_equal_te
     assert len(found["ms"]) == len(found["bare_ms"]) == 3 and min(found["ms"] + found["bare_ms"]) > 0
     assert found["losses"] == pytest.approx(found["bare_losses"], rel=1e-5)
     assert found["losses"][0] != found["losses"][2]  # both trained: the loss moved
+
+
+def test_door_bench_runs_both_doors_per_case_with_the_case_keys(tmp_path, monkeypatch):
+    """Faked runs (no processes): each case's ds_config keys reach the engine door's script (--ds-extra) and the
+    trainer door's ds_config (written by the script's --save-initial with the same keys); the doors alternate per
+    round; the ratio is engine ms / trainer ms, judged against 1.05; the chunked loss's saving is per door."""
+    from glm45v_fsdp.tools import bench, bench_runner
+
+    order, extras = [], {}
+    engine_ms = {"full_logits": 50.0, "chunk_dynamic": 52.0, "ep": 60.0}
+    peak_mib = {"full_logits": 20.0, "chunk_dynamic": 18.0, "ep": 19.0}
+
+    def argument(command, name):
+        return next(arg.split("=", 1)[1] for arg in command if arg.startswith(f"--{name}="))
+
+    def fake_execute(name, command, output_dir, timeout, threads=None, bench="", records=True):
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if "glm45v_fsdp.train" in command:
+            config = Path(command[command.index("--deepspeed") + 1])
+            case = config.parent.name
+            assert json.loads(config.read_text()) == {"extra": extras[case]}  # the case's keys, as the engine got
+            if "training.track_memory=true" not in command:
+                order.append((case, "trainer"))
+            records = [
+                {"ms_per_iter": 55.0, "data_ms": 5.0, "loss": 2.0, "grad_norm": 1.0, "mem_peak_max_gib": 0.01}
+                for _ in range(4)
+            ]
+            if case == "chunk_dynamic":
+                for record in records:
+                    record["mem_peak_max_gib"] = 0.009
+            return records, 1, 1
+        extra = json.loads(argument(command, "ds-extra"))
+        if any(arg.startswith("--save-initial=") for arg in command):
+            directory = Path(argument(command, "save-initial"))
+            extras[directory.name] = extra
+            (directory / "ds_config.json").write_text(json.dumps({"extra": extra}))
+            return [], 1.0, 1.0
+        case = Path(argument(command, "out")).parent.name.split("_ds_compat_")[0]
+        assert extra == extras[case] and argument(command, "zero") == "3"
+        order.append((case, "ds_compat"))
+        result = {"ms": [999.0] + [engine_ms[case]] * 3, "losses": [2.0] * 4, "peak_bytes_max": peak_mib[case] * 2**20}
+        Path(argument(command, "out")).write_text(json.dumps(result))
+        return [], 1.0, 1.0
+
+    monkeypatch.setattr(bench_runner, "execute", fake_execute)
+    argv = ["door", "--steps", "4", "--warmup", "1", "--rounds", "2", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert extras["ep"]["expert_parallel"] == {"enabled": True, "autoep_size": 2}
+    assert extras["chunk_dynamic"]["glm45v_fsdp"]["features"]["chunk_loss"]["mode"] == "dynamic"
+    assert extras["full_logits"]["glm45v_fsdp"]["features"]["chunk_loss"]["mode"] == "off"
+    rounds = [("full_logits", "ds_compat"), ("full_logits", "trainer"), ("full_logits", "trainer")]
+    assert order[:4] == [*rounds, ("full_logits", "ds_compat")]  # the order rotates per round
+    report = json.loads((tmp_path / "door.json").read_text())
+    rows = {r["case"]: r for r in report["rows"]}
+    assert rows["full_logits"]["engine_over_trainer_ms"] == pytest.approx(1.0) and rows["full_logits"]["pass"]
+    assert rows["ep"]["engine_over_trainer_ms"] == pytest.approx(1.2) and not rows["ep"]["pass"]
+    assert rows["chunk_dynamic"]["loss_mean_rel_err"] == 0.0
+    saving = report["chunk_saving"]
+    assert saving["ds_compat"] == pytest.approx({"mib": 2.0, "pct": 10.0})
+    assert saving["trainer"]["mib"] == pytest.approx(0.001 * 1024) and saving["trainer"]["pct"] == pytest.approx(10.0)
+    assert "| ep | 60.0 · 50.0 | 1.200 (1.200, 1.200) |" in (tmp_path / "door.md").read_text()
+    assert (tmp_path / "door.png").stat().st_size > 0
+    assert bench.main(["door", "--ranks", "3", "--ep", "2", "--out", str(tmp_path)]) == 2

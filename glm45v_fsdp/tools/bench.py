@@ -1,5 +1,5 @@
 """Benchmarks. `python -m glm45v_fsdp.tools.bench SUBCOMMAND [options] [overrides]`, SUBCOMMAND one of
-overhead|memory|ep|longest|deepspeed|parity|matrix|ops; every one but overhead runs through tools/bench_runner.py.
+overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops; every one but overhead runs through tools/bench_runner.py.
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -17,6 +17,10 @@ per-rank memory budget, found by doubling (tools/bench_longest.py).
 
 deepspeed: one DeepSpeed-API script on transformers' tiny GLM-4.5V, the real DeepSpeed against ds_compat, per ZeRO
 stage and dtype, interleaved rounds (tools/bench_deepspeed.py).
+
+door: the DeepSpeed engine door on GLM-4.5V (a DeepSpeed-API script handed transformers' model) beside the trainer
+door on one ds_config per case: full logits, the dynamic chunked loss, EP; step-time ratio (goal: engine at most 5%
+slower), chunked-loss memory saving at each door, loss error between the doors (tools/bench_door.py).
 
 parity: the DeepSpeed-API script for 2000 steps on the real DeepSpeed and on this backend's two doors, bf16 and fp32:
 loss and grad-norm errors, throughput ratio, loss-comparison plots (tools/bench_parity.py).
@@ -36,7 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools import bench_deepspeed, bench_ep, bench_longest, bench_matrix, bench_memory, bench_parity
+from glm45v_fsdp.tools import (
+    bench_deepspeed,
+    bench_door,
+    bench_ep,
+    bench_longest,
+    bench_matrix,
+    bench_memory,
+    bench_parity,
+)
 
 
 def add_ops_parser(sub: Any) -> None:
@@ -71,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_ep.add_parser(sub)
     bench_longest.add_parser(sub)
     bench_deepspeed.add_parser(sub)
+    bench_door.add_parser(sub)
     bench_matrix.add_parser(sub)
     bench_parity.add_parser(sub)
     add_ops_parser(sub)
@@ -87,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_parity.main_parity(args, argv)
         if args.benchmark == "matrix":
             return bench_matrix.main_matrix(args, argv)
+        if args.benchmark == "door":
+            return bench_door.main_door(args, argv)
         if args.benchmark == "deepspeed":
             return bench_deepspeed.main_deepspeed(args, argv)
         if args.benchmark == "ops":

@@ -20,6 +20,7 @@ mean relative error against DeepSpeed. `--profile` adds torch.profiler's top ops
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -58,11 +59,17 @@ def schedule_arguments(args: argparse.Namespace) -> list[str]:
     return [f"--lr={args.lr}", f"--schedule={schedule}"] if schedule else []
 
 
+def extra_arguments(args: argparse.Namespace) -> list[str]:
+    """The keys a caller adds to the worker's ds_config (bench door: the ones that switch a plan), as JSON."""
+    extra = getattr(args, "ds_extra", None)
+    return [f"--ds-extra={json.dumps(extra)}"] if extra else []
+
+
 def worker_command(args: argparse.Namespace, backend: str, zero: int, dtype: str, out: Path) -> list[str]:
     arguments = [f"--backend={backend}", f"--zero={zero}", f"--dtype={dtype}", f"--steps={args.steps}"]
     arguments += [f"--micro={args.micro}", f"--out={out}", f"--world-size={args.ranks}"]
     arguments += ["--profile"] if args.profile else []
-    arguments += schedule_arguments(args)
+    arguments += [*schedule_arguments(args), *extra_arguments(args)]
     if backend in ("bare", "alternate"):  # one process
         return [sys.executable, "-m", "glm45v_fsdp.tools.bench_deepspeed_worker", *arguments]
     return torchrun_command(args.ranks, "glm45v_fsdp.tools.bench_deepspeed_worker", arguments)
@@ -77,7 +84,8 @@ def initial_weights(args: argparse.Namespace, runner: Runner, zero: int, dtype: 
     if not (directory / "ds_config.json").exists():
         command = [sys.executable, "-m", "glm45v_fsdp.tools.bench_deepspeed_worker", "--backend=bare"]
         command += [f"--zero={zero}", f"--dtype={dtype}", f"--steps={args.steps}", f"--micro={args.micro}"]
-        command += [f"--world-size={args.ranks}", f"--save-initial={directory}", *schedule_arguments(args)]
+        command += [f"--world-size={args.ranks}", f"--save-initial={directory}"]
+        command += [*schedule_arguments(args), *extra_arguments(args)]
         runner.launch(Run(f"initial weights {directory.name}"), command, directory, reads="nothing")
     return directory
 

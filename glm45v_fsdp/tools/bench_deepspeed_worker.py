@@ -56,6 +56,10 @@ def ds_config(args: argparse.Namespace) -> dict:
                 "cos_min_ratio": 0.0,
             },
         }
+    if args.ds_extra:  # bench door: the keys that switch the engine's plans
+        from glm45v_fsdp.config import deep_merge
+
+        config = deep_merge(config, json.loads(args.ds_extra))
     return config
 
 
@@ -182,6 +186,7 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=WORKLOAD["text_tokens"])
     parser.add_argument("--image-size", type=int, default=WORKLOAD["image_size"], help="112 px: 8 x 8 = 64 patches")
     parser.add_argument("--world-size", type=int, default=2, help="bare / --save-initial: the ranks of the others")
+    parser.add_argument("--ds-extra", default=None, help="JSON merged into the ds_config (bench door)")
     parser.add_argument("--save-initial", metavar="DIR", help="write the initial weights and ds_config to DIR")
     parser.add_argument("--save", metavar="DIR", help="save_checkpoint(DIR) after the timed steps")
     parser.add_argument("--resume", metavar="DIR", help="load_checkpoint(DIR) first; then --first-step must match")

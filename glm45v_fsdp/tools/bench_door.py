@@ -1,0 +1,203 @@
+"""`python -m glm45v_fsdp.tools.bench door`: the DeepSpeed engine door on GLM-4.5V beside the trainer door.
+
+The engine door is the DeepSpeed-API script of `bench deepspeed` (tools/bench_deepspeed_worker.py: transformers' tiny
+GLM-4.5V handed to `initialize` with `import ds_compat as deepspeed`, which builds it on the whole engine); the
+trainer door is `python -m glm45v_fsdp.train --deepspeed ds_config.json` on the same initial weights and batches.
+Both read one ds_config (ZeRO `--zero`, fp32) to which each case adds the keys that switch a plan:
+  - full_logits: the extension section's `features.chunk_loss.mode: off` (the full [tokens, vocab] logits);
+  - chunk_dynamic: `features.chunk_loss.mode: dynamic` with a `--logits-budget-mib` budget;
+  - ep: DeepSpeed's `expert_parallel` (`enabled`, `autoep_size: --ep`) and the extension's EP balance.
+Per case the two doors run back to back in an order rotated from round to round. Figures: median ms/step of the
+steps after `--warmup` (per run, then over rounds), engine ms / trainer ms per round, the per-step loss error engine
+vs trainer, and each door's peak memory per rank (max over ranks) with the chunked loss's saving against full_logits.
+Goal: the engine door at most 5% slower than the trainer door (ratio <= 1.05) in every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.tools.bench_deepspeed import initial_weights, run_trainer, run_worker, runner
+from glm45v_fsdp.tools.bench_runner import errors, md_table, saving_pct, write_report
+from glm45v_fsdp.tools.chart import bar_chart
+
+DOORS = ("ds_compat", "trainer")
+DOOR_NAMES = {"ds_compat": "engine API door", "trainer": "trainer --deepspeed"}
+SPEED_GOAL = 1.05  # engine ms / trainer ms: the engine door may be at most 5% slower
+DTYPE = "fp32"
+
+
+def cases(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each case's ds_config keys on top of the worker's (ZeRO, AdamW, clipping)."""
+    chunk = {"mode": "dynamic", "logits_budget_mib": args.logits_budget_mib}
+    return {
+        "full_logits": {"glm45v_fsdp": {"features": {"chunk_loss": {"mode": "off"}}}},
+        "chunk_dynamic": {"glm45v_fsdp": {"features": {"chunk_loss": chunk}}},
+        "ep": {
+            "expert_parallel": {"enabled": True, "autoep_size": args.ep},
+            "glm45v_fsdp": {"features": {"ep_balance": {"enabled": True}}},
+        },
+    }
+
+
+def run_case(args: argparse.Namespace, name: str, extra: dict[str, Any]) -> dict[str, list[dict]]:
+    """`--rounds` of both doors on one case; the trainer's tracked peak from one 3-step run per case."""
+    case_args = argparse.Namespace(**{**vars(args), "ds_extra": extra})
+    bench = runner(case_args, "bench door")
+    initial = initial_weights(case_args, bench, args.zero, DTYPE, args.out / "initial" / name)
+    runs: dict[str, list[dict]] = {door: [] for door in DOORS}
+    for round_index in range(args.rounds):
+        shift = round_index % len(DOORS)
+        for door in DOORS[shift:] + DOORS[:shift]:
+            run_dir = args.out / "runs" / f"{name}_{door}_r{round_index + 1}"
+            label = f"[round {round_index + 1}/{args.rounds}] {name} {DOOR_NAMES[door]}"
+            if door == "trainer":
+                found = run_trainer(case_args, bench, initial, run_dir, False, label)
+                if round_index == 0:
+                    memory = run_trainer(case_args, bench, initial, run_dir / "memory", True, f"{label} memory")
+                    found["peak_bytes_max"] = memory["peak_bytes_max"]
+            else:
+                found = run_worker(case_args, bench, door, args.zero, DTYPE, run_dir, label)
+            runs[door].append(found)
+    return runs
+
+
+def row(name: str, extra: dict[str, Any], runs: dict[str, list[dict]], warmup: int) -> dict[str, Any]:
+    ms = {door: [statistics.median(run["ms"][warmup:]) for run in runs[door]] for door in DOORS}
+    ratios = [engine / trainer for engine, trainer in zip(ms["ds_compat"], ms["trainer"])]
+    ratio = statistics.median(ratios)
+    return {
+        "case": name,
+        "ds_config_keys": extra,
+        "ms_per_step": {door: statistics.median(ms[door]) for door in DOORS},
+        "engine_over_trainer_ms": ratio,
+        "ratio_per_round": ratios,
+        "peak_mib": {door: max(run["peak_bytes_max"] or 0.0 for run in runs[door]) / 2**20 for door in DOORS},
+        "loss_mean_rel_err": errors(runs["ds_compat"][0]["losses"], runs["trainer"][0]["losses"])["mean_rel"],
+        "pass": ratio <= SPEED_GOAL,
+    }
+
+
+def chunk_saving(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """What the chunked loss saves at each door against the full logits: MiB and percent of the peak."""
+    off, on = rows["full_logits"]["peak_mib"], rows["chunk_dynamic"]["peak_mib"]
+    return {door: {"mib": off[door] - on[door], "pct": saving_pct(off[door], on[door])} for door in DOORS}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"# The DeepSpeed engine door on GLM-4.5V beside the trainer door, {report['ranks']} ranks, ZeRO "
+        f"{report['zero']}, {DTYPE}, {report['rounds']} interleaved round(s)",
+        "",
+        *md_table(
+            [
+                "case",
+                "ms/step engine · trainer",
+                "engine / trainer (rounds)",
+                "peak MiB/rank engine · trainer",
+                "loss rel err",
+                f"≤ {SPEED_GOAL}",
+            ],
+            [
+                [
+                    r["case"],
+                    f"{r['ms_per_step']['ds_compat']:.1f} · {r['ms_per_step']['trainer']:.1f}",
+                    f"{r['engine_over_trainer_ms']:.3f} ({', '.join(f'{x:.3f}' for x in r['ratio_per_round'])})",
+                    f"{r['peak_mib']['ds_compat']:.2f} · {r['peak_mib']['trainer']:.2f}",
+                    f"{r['loss_mean_rel_err']:.1e}",
+                    "pass" if r["pass"] else "below",
+                ]
+                for r in report["rows"]
+            ],
+        ),
+        "",
+        "Chunked loss (dynamic) against the full logits, peak memory saved per rank: "
+        + "; ".join(
+            f"{DOOR_NAMES[door]} {saved['mib']:.2f} MiB ({saved['pct']:.1f}%)"
+            for door, saved in report["chunk_saving"].items()
+        ),
+        "",
+        *[f"- {note}" for note in report["notes"]],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def chart(report: dict[str, Any], path: Path) -> None:
+    bar_chart(
+        [(f"{r['case']}: ms/step", [r["ms_per_step"][door] for door in DOORS]) for r in report["rows"]],
+        series=tuple(DOOR_NAMES[door] for door in DOORS),
+        title=f"Engine door vs trainer door on GLM-4.5V - {report['ranks']} ranks, CPU gloo",
+        notes=[f"{r['case']} engine/trainer {r['engine_over_trainer_ms']:.3f}" for r in report["rows"]],
+        path=path,
+    )
+
+
+def run_door_bench(args: argparse.Namespace) -> dict[str, Any]:
+    chosen = cases(args)
+    rows = {name: row(name, extra, run_case(args, name, extra), args.warmup) for name, extra in chosen.items()}
+    report = {
+        "benchmark": "door",
+        "ranks": args.ranks,
+        "zero": args.zero,
+        "rounds": args.rounds,
+        "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
+        "rows": list(rows.values()),
+        "chunk_saving": chunk_saving(rows),
+        "notes": [
+            f"workload: transformers' tiny GLM-4.5V (2 text layers, 8 routed experts, 2-block vision tower), micro "
+            f"batch {args.micro} per rank, 256 text tokens + one 64-patch image per sample, AdamW, clipping 1.0; "
+            f"ms/step: median of steps {args.warmup + 1}-{args.steps} per run, then over rounds; the trainer's "
+            "leaves out fetching its batches, which the script does before its timed loop.",
+            f"chunk_dynamic: logits budget {args.logits_budget_mib} MiB; ep: autoep_size {args.ep} with EP balance.",
+            "peak: engine door = live tensor bytes of one extra untimed step of the script (every tensor reachable "
+            "at its start counts, the script's prepared batches included); trainer = its tracked peak "
+            "(training.track_memory) of a separate 3-step run. The two meters start from different live sets, so "
+            "compare each door's saving, not the absolute peaks.",
+            f"OMP_NUM_THREADS per rank: {args.threads}.",
+        ],
+    }
+    write_report(args.out, "door", report, markdown(report), {"door.png": lambda path: chart(report, path)})
+    return report
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "door",
+        help="the DeepSpeed engine door on GLM-4.5V beside the trainer door: chunked-loss memory, EP step time",
+        description="Engine door (DeepSpeed-API script) and trainer door (--deepspeed), interleaved per case.",
+    )
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--zero", type=int, default=3, choices=(1, 2, 3))
+    parser.add_argument("--ep", type=int, default=2, help="autoep_size of the ep case")
+    parser.add_argument("--logits-budget-mib", type=float, default=0.25, help="the dynamic chunk loss's budget")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5, help="first steps left out of ms/step")
+    parser.add_argument("--micro", type=int, default=2, help="micro batch per rank")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler's top ops of steps 6-10 (engine)")
+    parser.add_argument("--out", type=Path, default=Path("output/bench/door"))
+    parser.add_argument("--run-timeout", type=float, default=None)
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+
+
+def main_door(args: argparse.Namespace, argv: list[str]) -> int:
+    if not 0 <= args.warmup < args.steps or args.rounds < 1 or args.ranks % args.ep or args.logits_budget_mib <= 0:
+        raise UserError(
+            f"bench door: need 0 <= --warmup < --steps, --rounds >= 1, --ranks a multiple of --ep and "
+            f"--logits-budget-mib > 0; got warmup {args.warmup}, steps {args.steps}, rounds {args.rounds}, ranks "
+            f"{args.ranks}, ep {args.ep}, budget {args.logits_budget_mib}."
+        )
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    args.argv = argv
+    report = run_door_bench(args)
+    below = [r["case"] for r in report["rows"] if not r["pass"]]
+    if below:
+        print(f"bench door: engine door more than {SPEED_GOAL}x the trainer's ms/step in: {', '.join(below)}")
+    return 0
