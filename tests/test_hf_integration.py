@@ -6,6 +6,8 @@
   DS_FSDP_BACKEND=deepspeed keeps the real one.
 - zero.Init / GatheredParameters on 2 spawned ranks: a rank keeps half the rows, a modifier rank's change reaches
   every rank, initialize() puts the partitions into the FSDP2 shards.
+- ZeroParamStatus under the alias equals DeepSpeed's; `ds_status` on 2 ranks (zero.Init partitions, the engine's
+  shards), and TRL 1.16's `maybe_gather_lm_head_ctx` around a fused LM-head loss trains as the module's own head.
 - tests/hf_trainer_script.py (HF Trainer, "auto" ds_config, `from_pretrained` after TrainingArguments) launched by
   `deepspeed` and by `ds-fsdp` with the same flags, ZeRO 2 and 3 (ZeRO 3 in a virtualenv without DeepSpeed): losses,
   eval loss, the saved safetensors and a second train() equal DeepSpeed's; `resume_from_checkpoint` in a fresh
@@ -248,6 +250,157 @@ def _zero2_worker(rank: int, port: int) -> None:
 
 def test_zero2_state_dicts_are_whole_and_a_destroyed_engines_model_trains_on():
     spawn(_zero2_worker, args=(free_port(),), nprocs=2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ZeroParamStatus and ds_status: TRL's fused LM-head loss gathers only what is not AVAILABLE
+# ----------------------------------------------------------------------------------------------------------------
+
+STATUS_PROBE = """
+import json, deepspeed
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+print(json.dumps({
+    "module": ZeroParamStatus.__module__,
+    "members": {member.name: member.value for member in ZeroParamStatus},
+    "zero_has_it": deepspeed.zero.ZeroParamStatus is ZeroParamStatus,
+}))
+"""
+
+
+def test_zero_param_status_imports_under_the_alias_with_deepspeeds_members(probe_script):
+    probe = probe_script.parent / "status.py"
+    probe.write_text(textwrap.dedent(STATUS_PROBE))
+    ours, theirs = (
+        json.loads(run([sys.executable, "-m", "ds_compat.run", str(probe)], env(**extra)).stdout.splitlines()[-1])
+        for extra in ({}, {"DS_FSDP_BACKEND": "deepspeed"})
+    )
+    assert ours["module"] == "ds_compat.zero.partition_parameters"
+    assert theirs["module"] == "deepspeed.runtime.zero.partition_parameters"
+    assert ours["members"] == theirs["members"] == {"AVAILABLE": 1, "NOT_AVAILABLE": 2, "INFLIGHT": 3}
+    assert ours["zero_has_it"] and theirs["zero_has_it"]
+
+
+def _maybe_gather_lm_head_ctx(*params: torch.nn.Parameter):
+    """TRL 1.16.0's `maybe_gather_lm_head_ctx` (trl/trainer/utils.py), line for line: gather the given parameters
+    unless ZeRO-3 is off or they are AVAILABLE already."""
+    from contextlib import nullcontext
+
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return nullcontext()
+
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    to_gather = {id(p): p for p in params if p is not None and p.ds_status != ZeroParamStatus.AVAILABLE}
+    if not to_gather:
+        return nullcontext()
+    return deepspeed.zero.GatheredParameters(list(to_gather.values()))
+
+
+class _HeadLoss(torch.autograd.Function):
+    """Cross-entropy through the LM head from its weight and bias, as TRL's `_ChunkedLogProbFunction`: the backward
+    recomputes from the saved weight inside `maybe_gather_lm_head_ctx` again."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels):  # type: ignore[override]
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight, bias), labels)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        hidden, weight, bias, labels = ctx.saved_tensors
+        with _maybe_gather_lm_head_ctx(weight, bias):
+            probs = torch.softmax(torch.nn.functional.linear(hidden, weight, bias), dim=-1)
+            probs[torch.arange(len(labels)), labels] -= 1.0
+            dlogits = probs * grad / len(labels)
+            return dlogits @ weight, dlogits.t() @ hidden, dlogits.sum(0), None
+
+
+class _TinyLM(torch.nn.Module):
+    """A backbone of layers (each an FSDP2 unit of its own) and an LM head in the root unit, as a causal LM's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+        self.lm_head = torch.nn.Linear(8, 11)
+        self.seen: list = []
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, fused_lm_head: bool = False) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if not fused_lm_head:
+            return torch.nn.functional.cross_entropy(self.lm_head(x), labels)
+        # TRL 1.16.0's add_fused_lm_head `_fused_forward`: the head's parameters read directly, never calling it
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        if isinstance(weight, DTensor):
+            weight = weight.full_tensor()
+            if bias is not None:
+                bias = bias.full_tensor()
+        self.seen.append(weight.ds_status.name)
+        with _maybe_gather_lm_head_ctx(weight, bias):
+            return _HeadLoss.apply(x, weight, bias, labels)
+
+
+def _zero_param_status_worker(rank: int, port: int) -> None:
+    _join_two_ranks(rank, port)
+    os.environ["DS_FSDP_QUIET"] = "1"
+    from ds_compat.alias import take_over
+
+    take_over()  # TRL's `import deepspeed`, as under ds-fsdp
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}
+    config["optimizer"] = {"type": "SGD", "params": {"lr": 0.5}}
+    hf_config = HfDeepSpeedConfig(config)  # noqa: F841 - is_deepspeed_zero3_enabled() while it lives
+    available, not_available = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
+
+    # zero.Init: a partition is NOT_AVAILABLE, and AVAILABLE inside GatheredParameters, where TRL's context gathers
+    torch.manual_seed(0)
+    reference = _TinyLM()
+    torch.manual_seed(0)
+    with deepspeed.zero.Init():
+        built = _TinyLM()
+    head = built.lm_head.weight
+    assert head.ds_status is not_available and torch.ones(2).ds_status is available
+    with _maybe_gather_lm_head_ctx(head, built.lm_head.bias, head) as gathered:
+        assert gathered.params == [head, built.lm_head.bias]  # each once
+        assert head.ds_status is available and torch.equal(head, reference.lm_head.weight)
+    assert head.ds_status is not_available
+
+    # the engine's FSDP2 model: shards are NOT_AVAILABLE; in the forward the root unit's (the head's) parameters are
+    # whole, so TRL's context gathers nothing, and the fused loss trains as the module's own head does
+    losses: dict[bool, list[float]] = {}
+    states = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        engine, *_ = deepspeed.initialize(model=_TinyLM(), config=config)
+        model = engine.module
+        assert isinstance(model.lm_head.weight, DTensor) and model.lm_head.weight.ds_status is not_available
+        assert model.layers[0].weight.full_tensor().ds_status is available
+        torch.manual_seed(1 + rank)  # each rank its own data: the gradients must be reduced
+        losses[fused] = []
+        for _ in range(3):
+            x, labels = torch.randn(4, 8), torch.randint(0, 11, (4,))
+            loss = engine(x, labels, fused_lm_head=fused)
+            engine.backward(loss)
+            engine.step()
+            losses[fused].append(loss.item())
+        assert model.lm_head.weight.ds_status is not_available
+        states[fused] = engine.module_state_dict()
+        assert model.seen == (["AVAILABLE"] * 3 if fused else [])
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6)
+    if rank == 0:
+        for name, value in states[False].items():
+            assert torch.allclose(states[True][name], value, rtol=1e-6, atol=1e-7), name
+    end_worker()
+
+
+def test_ds_status_answers_and_trls_fused_lm_head_context_trains_as_the_head():
+    spawn(_zero_param_status_worker, args=(free_port(),), nprocs=2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

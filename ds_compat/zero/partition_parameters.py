@@ -11,12 +11,16 @@ model larger than one rank can be built: a rank holds its shards plus, for a mom
 broadcasts the modifier rank's values and partitions them again: how the HF integration loads `from_pretrained`
 weights and initialises under ZeRO-3. `deepspeed.initialize` then builds the FSDP2 model on the meta device from the
 shapes and fills each local shard from the partitions (one full parameter at a time).
+
+Every tensor answers DeepSpeed's `ds_status` (a `ZeroParamStatus`) for its state here, what code that gathers only
+what is not yet gathered reads (TRL's `maybe_gather_lm_head_ctx`): see `param_status`.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from enum import Enum
 from typing import Any
 
 import torch
@@ -40,6 +44,43 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: torch.dtype
 
 def is_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_shape") and hasattr(param, "_zero_rows")
+
+
+class ZeroParamStatus(Enum):
+    """DeepSpeed's `param.ds_status` values, with its members and numbers. INFLIGHT (a gather under way) is never
+    answered here: gathers finish before the call that starts them returns."""
+
+    AVAILABLE = 1  # the full value is in the tensor, ready for use
+    NOT_AVAILABLE = 2  # partitioned: this rank holds a part
+    INFLIGHT = 3  # being gathered
+
+
+def param_status(tensor: torch.Tensor) -> ZeroParamStatus:
+    """DeepSpeed's `ds_status` of a tensor on this backend. NOT_AVAILABLE: an FSDP2 shard (a DTensor, which plain
+    tensor code cannot use; `full_tensor()` is its value), a zero.Init partition outside GatheredParameters (an empty
+    tensor beside `ds_numel`), an FSDP2 unsharded parameter whose storage its unit freed at reshard. AVAILABLE: any
+    tensor that holds its full value, such as the unsharded parameters FSDP2 puts in the modules of a unit for its
+    forward and backward, a zero.Init parameter inside GatheredParameters, a parameter that is not partitioned."""
+    if isinstance(tensor, DTensor):
+        return ZeroParamStatus.NOT_AVAILABLE
+    if is_partitioned(tensor) and tensor.numel() != tensor.ds_numel:
+        return ZeroParamStatus.NOT_AVAILABLE
+    if tensor.numel() and tensor.layout == torch.strided and tensor.untyped_storage().nbytes() == 0:
+        return ZeroParamStatus.NOT_AVAILABLE
+    return ZeroParamStatus.AVAILABLE
+
+
+def _get_ds_status(tensor: torch.Tensor) -> Any:
+    """`tensor.ds_status`: a value assigned to it (DeepSpeed's own zero code sets its parameters', should it run in
+    the same process), else `param_status(tensor)`."""
+    return tensor.__dict__["ds_status"] if "ds_status" in tensor.__dict__ else param_status(tensor)
+
+
+def _set_ds_status(tensor: torch.Tensor, status: Any) -> None:
+    tensor.__dict__["ds_status"] = status
+
+
+torch.Tensor.ds_status = property(_get_ds_status, _set_ds_status, doc=param_status.__doc__)
 
 
 def _row_range(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -200,9 +241,11 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
 __all__ = [
     "GatheredParameters",
     "Init",
+    "ZeroParamStatus",
     "gather_full",
     "get_accelerator",
     "is_partitioned",
+    "param_status",
     "register_external_parameter",
     "unregister_external_parameter",
 ]
