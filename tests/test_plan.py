@@ -11,6 +11,7 @@ import sys
 import pytest
 from conftest import REPO, clean_env
 
+from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.tools import plan, preflight
 
 CONFIG = str(REPO / "configs" / "glm45v_106b_sft.yaml")
@@ -19,6 +20,12 @@ JOB = ["--config", CONFIG, "--nodes", "16", "--nproc-per-node", "8", "--tokens",
 
 def run_plan(capsys, *argv: str) -> tuple[int, str, str]:
     code = plan.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_preflight(capsys, *argv: str) -> tuple[int, str, str]:
+    code = preflight.main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -117,3 +124,127 @@ def test_calibrate_and_validate_run_here(tmp_path, capsys):
     assert len(report["rows"]) == 6
     assert sorted(r["model_rank"] for r in report["rows"]) == list(range(1, 7))
     assert all(r["modelled_ms"] > 0 and r["measured_ms"] > 0 for r in report["rows"])
+
+
+# --deepspeed: the layout a ds_config runs (translated as `python -m glm45v_fsdp.train --deepspeed` translates it)
+DS_EXAMPLE = REPO / "configs" / "ds_config_glm45v_106b_sft.json"
+TINY_JOB = ["--nodes", "1", "--nproc-per-node", "4", "--unit-mib", "default", "--json"]
+
+
+def write_ds_config(path, **sections) -> str:
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, **sections}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ds_example() -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "glm45v_fsdp.tools.plan", *JOB, "--device", "910b", "--json",
+         "--deepspeed", str(DS_EXAMPLE)],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_deepspeed_example_runs_the_best_layout(searched, ds_example):
+    """configs/ds_config_glm45v_106b_sft.json (ZeRO-3, AutoEP 8, activation checkpointing, the extension's dynamic
+    chunk loss) fixes the layout the search without --deepspeed ranks first, with its figures."""
+    layout, search, best = ds_example["layout"], ds_example["search"], searched["910b"]["top"][0]
+    assert layout["layout"] == best["layout"] == search["best"]["layout"] and search["place"] == 1
+    assert layout["fits"] and layout["memory_gib"]["total"] == pytest.approx(best["gib_per_rank"], abs=0.006)
+    assert layout["ms_per_step"] == best["ms_per_step"] and search["time_vs_best"] == 1
+    for switched in ("parallel.expert_parallel_size=8", "features.recompute.granularity=full",
+                     "features.chunk_loss.mode=dynamic"):  # fmt: skip
+        assert switched in layout["overrides"]
+    summary = ds_example["deepspeed"]
+    assert summary["zero_stage"] == 3 and summary["precision"] == "bf16"
+    assert all(row["value"] == row["engine_api"] for row in summary["left_open"])  # both doors run this layout
+
+
+def test_deepspeed_memory_is_preflights(ds_example, capsys):
+    code = preflight.main(["--config", CONFIG, "--world-size", "128", "--nproc-per-node", "8", "--json",
+                           "--device-memory-gib", "60", "--deepspeed", str(DS_EXAMPLE)])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    memory = json.loads(out)["memory"]
+    assert memory["max"]["total"] / 2**30 == pytest.approx(ds_example["layout"]["memory_gib"]["total"], abs=0.001)
+
+
+def test_deepspeed_layout_that_does_not_fit_is_explained(tmp_path, capsys):
+    """EP 1 (the YAML's 8 overridden: the ds_config's disabled AutoEP leaves it open) and no chunked loss: every term
+    as --explain prints it, the switches that make it fit, and how far the best layout is."""
+    example = json.loads(DS_EXAMPLE.read_text())
+    example["expert_parallel"] = {"enabled": False}
+    example["glm45v_fsdp"] = {"features": {"chunk_loss": {"mode": "off"}}}
+    (tmp_path / "ds.json").write_text(json.dumps(example))
+    code, out, err = run_plan(capsys, *JOB, "--device", "910b", "--json", "--unit-mib", "default",
+                              "--deepspeed", str(tmp_path / "ds.json"), "parallel.expert_parallel_size=1")  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    layout = report["layout"]
+    assert layout["layout"] == "ep1-uly1-ring1-rep1-rc_full-loss_off-unit_512-mb1"
+    assert not layout["fits"] and layout["remedies"]["over_gib"] > 0 and layout["remedies"]["fits_with"]
+    assert report["search"]["place"] == 0 and report["search"]["time_vs_best"] > 2
+    open_keys = {row["key"]: row for row in report["deepspeed"]["left_open"]}
+    assert open_keys["parallel.expert_parallel_size"]["from"] == "command line"
+    code, out, err = run_plan(capsys, *JOB, "--device", "910b", "--json", "--explain", layout["layout"])
+    assert code == 0, err
+    assert json.loads(out) == layout  # the same terms as --explain of that layout
+
+
+@pytest.mark.parametrize(
+    "sections, part",
+    [
+        ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "ep2-"),
+        ({"activation_checkpointing": {"partition_activations": False}}, "-rc_full-"),
+        ({"glm45v_fsdp": {"features": {"chunk_loss": {"mode": "dynamic"}}}}, "-loss_dynamic-"),
+        ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 2**25}}, "-unit_128-"),
+        ({"train_micro_batch_size_per_gpu": 2}, "-mb2"),
+    ],
+)
+def test_deepspeed_keys_switch_the_reported_layout(tmp_path, capsys, sections, part):
+    code, out, err = run_plan(capsys, *TINY_JOB, "--deepspeed", write_ds_config(tmp_path / "base.json"))
+    assert code == 0, err
+    base = json.loads(out)["layout"]["layout"]
+    code, out, err = run_plan(capsys, *TINY_JOB, "--deepspeed", write_ds_config(tmp_path / "ds.json", **sections))
+    assert code == 0, err
+    report = json.loads(out)
+    assert part in report["layout"]["layout"] and part not in base
+    assert report["search"]["place"] >= 1 and report["search"]["evaluated"] > 100
+
+
+def test_deepspeed_auto_batch_and_open_keys_are_named(tmp_path, capsys):
+    """An "auto" micro batch takes the YAML's (here the command line's), a layout key the ds_config leaves open keeps
+    the YAML's value, and the text says both, with the value deepspeed.initialize (no YAML) runs instead."""
+    ds = write_ds_config(tmp_path / "ds.json", train_micro_batch_size_per_gpu="auto")
+    code, out, err = run_plan(capsys, *TINY_JOB[:-1], "--deepspeed", ds, "training.micro_batch_size=2",
+                              "parallel.expert_parallel_size=2")  # fmt: skip
+    assert code == 0, err
+    assert '"auto" filled: train_micro_batch_size_per_gpu: auto -> 2 (training.micro_batch_size)' in out
+    assert "parallel.expert_parallel_size=2 from the command line (deepspeed.initialize runs 1)" in out
+    assert "the layout it runs:\nlayout ep2-uly1-ring1-rep1-rc_off-loss_off-unit_190.735-mb2 on 4 ranks" in out
+    assert "memory per rank" in out and "of the fitting layouts" in out and "the best layout ep" in out
+
+
+def test_deepspeed_bad_config_is_the_trainer_doors_error(tmp_path, capsys):
+    from ds_compat.trainer_door import configure
+    from glm45v_fsdp.config import load_config
+
+    cases = {
+        "expert_parallel.autoep_size": {"expert_parallel": {"enabled": True, "autoep_size": 3}},
+        "features.chunk_los": {"glm45v_fsdp": {"features": {"chunk_los": {"mode": "dynamic"}}}},
+    }
+    for key, sections in cases.items():
+        ds = write_ds_config(tmp_path / "bad.json", **sections)
+        with pytest.raises(UserError) as door:
+            configure(ds, load_config(None), [], 4)
+        code, out, err = run_plan(capsys, *TINY_JOB, "--deepspeed", ds)
+        assert code == 2 and out == "" and err == f"plan: error: {door.value}\n" and key in err
+        code, _, err = run_preflight(capsys, "--world-size", "4", "--deepspeed", ds)
+        assert code == 2 and err == f"preflight: error: {door.value}\n"
+    code, _, err = run_plan(capsys, *TINY_JOB, "--deepspeed", write_ds_config(tmp_path / "ds.json"),
+                            "--global-batch", "8")  # fmt: skip
+    assert code == 2 and "--global-batch 8 differs from the global batch 4" in err
+    code, _, err = run_plan(capsys, *TINY_JOB, "--deepspeed", ds, "--explain", "ep1")
+    assert code == 2 and "pass one of them" in err

@@ -179,6 +179,31 @@ def test_preflight_106b_on_128_ranks(capsys):
     assert frozen["memory"]["max"]["grads"] < memory["max"]["grads"] - 0.8e9 * 4 / 128
 
 
+def test_preflight_deepspeed_runs_on_the_translated_config(capsys, tmp_path):
+    """--deepspeed: the ds_config translated as `train --deepspeed` does; the plans and the memory are those of the
+    YAML with the translation's overrides, and DeepSpeed's keys switch the plans."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "expert_parallel": {"enabled": True, "autoep_size": 2},
+        "activation_checkpointing": {"cpu_checkpointing": True},
+        "glm45v_fsdp": {"features": {"chunk_loss": {"mode": "dynamic"}}},
+    }))  # fmt: skip
+    report = preflight_json(capsys, "--world-size", "4", "--deepspeed", str(path))
+    assert report["layout"]["ep"] == 2 and not report["errors"]
+    enabled = {plan["plan"] for plan in report["plans"] if plan["enabled"]}
+    assert {"expert_parallel", "recompute", "activation_offload", "chunk_loss"} <= enabled
+    plain = {plan["plan"] for plan in preflight_json(capsys, "--world-size", "4")["plans"] if plan["enabled"]}
+    assert not {"expert_parallel", "activation_offload", "chunk_loss"} & plain
+    same = preflight_json(capsys, "--world-size", "4", *report["deepspeed"]["overrides"])
+    assert same["memory"] == report["memory"] and same["plans"] == report["plans"]
+    code, out, _ = run_preflight(capsys, "--world-size", "4", "--deepspeed", str(path))
+    assert code == 0 and f"DeepSpeed config {path} for 4 ranks" in out and "parallel.expert_parallel_size=2" in out
+    code, _, err = run_preflight(capsys, "--deepspeed", str(path))
+    assert code == 2 and "--deepspeed needs --world-size" in err
+
+
 @pytest.mark.parametrize(
     "argv, names",
     [

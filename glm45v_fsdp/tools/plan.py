@@ -2,6 +2,7 @@
 
   python -m glm45v_fsdp.tools.plan --config glm45v_106b_sft --nodes 16 --nproc-per-node 8 --device 910b \\
       --tokens 8192 --global-batch 128 [--top 10] [--json] [--explain LAYOUT] [--custom key=value,...]
+  python -m glm45v_fsdp.tools.plan ... --deepspeed ds_config.json   (the layout that ds_config runs, and its place)
   python -m glm45v_fsdp.tools.plan --calibrate [--calibration FILE]     (measure this machine: the cpu preset)
   python -m glm45v_fsdp.tools.plan --validate [--calibration FILE]      (model vs measured on the tiny model here)
 
@@ -41,6 +42,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--unit-mib", default="default,512", help="FSDP unit sizes to try (default = the device's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--explain", default=None, metavar="LAYOUT", help="every term of one layout (a printed name)")
+    parser.add_argument(
+        "--deepspeed",
+        default=None,
+        metavar="DS_CONFIG",
+        help="explain the layout this ds_config runs (translated as `train --deepspeed` does) and place it",
+    )
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's rates (the cpu preset)")
     parser.add_argument("--validate", action="store_true", help="model vs measured ms/iter of tiny layouts here")
     parser.add_argument("--steps", type=int, default=20, help="--validate: steps per run")
@@ -53,6 +60,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a positive integer.")
+    other = next((flag for flag in ("explain", "calibrate", "validate") if getattr(args, flag)), None)
+    if args.deepspeed and other:
+        raise UserError(f"--deepspeed and --{other} ask for different reports: pass one of them.")
     return args
 
 
@@ -69,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             from glm45v_fsdp.tools.plan_validate import validate
 
             return validate(args)
+        if args.deepspeed:
+            from glm45v_fsdp.tools.plan_deepspeed import run_deepspeed_plan
+
+            return run_deepspeed_plan(args)
         from glm45v_fsdp.tools.plan_report import run_plan
 
         return run_plan(args)

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from glm45v_fsdp.config import load_config
+from glm45v_fsdp.config import Config, load_config
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.model import load_hf_config
 from glm45v_fsdp.planner.devices import GIB, PRESETS, Device, load_calibration
@@ -32,13 +32,24 @@ def unit_sizes(text: str) -> tuple[float | None, ...]:
         raise UserError(f"--unit-mib {text!r}: comma-separated sizes in MiB or 'default'.") from None
 
 
-def build_planner(args: argparse.Namespace) -> tuple[Planner, Job]:
-    config = load_config(args.config, args.overrides)
+def world_size(args: argparse.Namespace, device: Device) -> int:
+    return args.nodes * (args.nproc_per_node or device.devices_per_node)
+
+
+def config_batch(config: Config, world: int) -> int:
+    """The global batch `config` runs on `world` ranks: micro batch x accumulation x data-parallel ranks."""
+    training, parallel = config.training, config.parallel
+    dp = world // (parallel.ulysses_parallel_size * parallel.ring_attention_size)
+    return training.micro_batch_size * training.gradient_accumulation_steps * dp
+
+
+def build_planner(args: argparse.Namespace, config: Config | None = None) -> tuple[Planner, Job]:
+    """The planner of the command line's job for `config` (default: --config with the overrides)."""
+    config = config or load_config(args.config, args.overrides)
     device = device_of(args)
     per_node = args.nproc_per_node or device.devices_per_node
     tokens = args.tokens or config.data.cutoff_len
-    world = args.nodes * per_node
-    default_batch = config.training.micro_batch_size * config.training.gradient_accumulation_steps * world
+    default_batch = config_batch(config, world_size(args, device))
     job = Job(args.nodes, per_node, tokens, args.global_batch or default_batch)
     planner = Planner(config, load_hf_config(config.model), job, device, args.images_per_sample, args.image_size)
     return planner, job
@@ -137,7 +148,7 @@ def run_plan(args: argparse.Namespace) -> int:
         "evaluated": len(results),
         "fitting": len(fitting),
         "top": [row(i + 1, r, job) for i, r in enumerate(fitting[: args.top])],
-        "config_layout": None if own.error else row(_rank_of(own, fitting), own, job),
+        "config_layout": None if own.error else row(rank_of(own, fitting), own, job),
     }
     if not fitting:
         closest = results[0] if results else None
@@ -147,7 +158,7 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rank_of(found: Evaluation, fitting: list[Evaluation]) -> int:
+def rank_of(found: Evaluation, fitting: list[Evaluation]) -> int:
     """1-based place of `found` in the ranked fitting layouts (0: it does not fit)."""
     places = [i for i, r in enumerate(fitting) if r.layout == found.layout]
     return places[0] + 1 if found.fits and places else 0

@@ -1,13 +1,15 @@
 """Check a run before it starts, with no accelerator and no process group.
 
-`python -m glm45v_fsdp.tools.preflight --config C [--world-size N] [--device-memory-gib G] [--json] [key=value ...]`
+`python -m glm45v_fsdp.tools.preflight --config C [--world-size N] [--deepspeed DS_CONFIG] [--device-memory-gib G]
+[--json] [key=value ...]`
 
 Loads the config, validates the layout for N ranks, builds the model on the meta device, applies every plan of the
 registry (glm45v_fsdp/plans.py) as a dry run in build order and prints what each does and each pattern's match
 count. A pattern that matches nothing, a missing required FSDP unit or an impossible layout is an error (exit 2, each
 problem named). With --world-size it also prints each rank's memory: exact bytes of parameters, gradients and AdamW
 states under FSDP2 sharding, and estimates of the transient unsharded copies and the activations
-(glm45v_fsdp.tools.estimate; docs/tools.md).
+(glm45v_fsdp.tools.estimate; docs/tools.md). With --deepspeed the ds_config is translated onto the config as
+`python -m glm45v_fsdp.train --deepspeed` translates it for N ranks, and everything above runs on the result.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="square image side in pixels (default: synthetic data's setting, else the vision config's image_size)",
     )
+    parser.add_argument(
+        "--deepspeed",
+        default=None,
+        metavar="DS_CONFIG",
+        help="translate this ds_config onto the config for --world-size ranks, as `train --deepspeed` does",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides applied after the YAML file")
     args = parser.parse_args(argv)
@@ -52,6 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "images_per_sample" else 1):
             raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a positive integer.")
+    if args.deepspeed and args.world_size is None:
+        raise UserError("--deepspeed needs --world-size: the ds_config's batch and layout hold for one world size.")
     if args.device_memory_gib <= 0:
         raise UserError(f"--device-memory-gib = {args.device_memory_gib} is invalid: pass a positive number.")
     return args

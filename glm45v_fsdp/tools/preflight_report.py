@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from PIL import Image
 from torch import nn
 
+from ds_compat.config import Translation
+from ds_compat.trainer_door import configure
 from glm45v_fsdp.config import Config, load_config
 from glm45v_fsdp.data import load_image_processor
 from glm45v_fsdp.data.processor import process_images
@@ -230,6 +232,10 @@ def build_report(args: argparse.Namespace) -> dict:
     """Everything preflight checks and computes, as one JSON-able dict; `errors` lists every problem found."""
     started = time.perf_counter()
     config = load_config(args.config, args.overrides)
+    translation = None
+    if args.deepspeed:  # a ds_config that does not translate, or whose layout is impossible: one UserError
+        ds_run = configure(args.deepspeed, config, args.overrides, args.world_size)
+        config, translation = ds_run.config, ds_run.translation
     errors: list[str] = []
     dims = None
     if args.world_size is not None:
@@ -256,6 +262,7 @@ def build_report(args: argparse.Namespace) -> dict:
         )
     report = {
         "config": args.config,
+        "deepspeed": None if translation is None else _deepspeed_summary(args.deepspeed, translation),
         "world_size": args.world_size,
         "layout": dataclasses.asdict(dims) | {"cp": dims.cp, "fsdp_size": dims.fsdp_size, "efsdp": dims.efsdp}
         if dims
@@ -307,7 +314,10 @@ ROWS = (
 
 
 def format_report(report: dict) -> str:
-    lines = [f"preflight: {report['config'] or 'configs/glm45v_tiny.yaml (default)'}", report["model"]]
+    lines = [f"preflight: {report['config'] or 'configs/glm45v_tiny.yaml (default)'}"]
+    if report["deepspeed"]:
+        lines += _format_deepspeed(report["deepspeed"], report["world_size"])
+    lines.append(report["model"])
     layout = report["layout"]
     if report["world_size"] is not None and layout is None:
         lines.append(f"layout: FAILED for world size {report['world_size']}: see the error")
@@ -340,6 +350,25 @@ def format_report(report: dict) -> str:
         lines.append("per-rank memory: pass --world-size N")
     lines.append(f"preflight took {report['seconds']} s")
     return "\n".join(lines)
+
+
+def _deepspeed_summary(source: str, translation: Translation) -> dict:
+    return {
+        "config": source,
+        "overrides": translation.overrides,
+        "auto_filled": translation.auto_filled,
+        "warnings": translation.misspelled,
+    }
+
+
+def _format_deepspeed(deepspeed: dict, world_size: int) -> list[str]:
+    return [
+        f"DeepSpeed config {deepspeed['config']} for {world_size} ranks, translated as `python -m glm45v_fsdp.train "
+        "--deepspeed` translates it, sets:",
+        "  " + " ".join(deepspeed["overrides"]),
+        *[f'  "auto" filled: {filled}' for filled in deepspeed["auto_filled"]],
+        *[f"  warning: {warning}" for warning in deepspeed["warnings"]],
+    ]
 
 
 def _format_memory(memory: dict, report: dict) -> list[str]:
