@@ -31,7 +31,14 @@ from torch.utils.data import DistributedSampler, IterableDataset
 from ds_compat.comm import device_layer, get_local_rank
 from ds_compat.config import Translation, translate
 from ds_compat.dataloader import DeepSpeedDataLoader
-from ds_compat.glm_door import check_autoep_section, is_glm45v, model_overrides, take_weights
+from ds_compat.glm_door import (
+    check_autoep_section,
+    forward_replaced,
+    is_glm45v,
+    model_overrides,
+    output_layer_in_root,
+    take_weights,
+)
 from ds_compat.utils import groups, z3_leaf_module
 from ds_compat.zero.partition_parameters import gather_full, is_partitioned
 from glm45v_fsdp.builders import adopt_model
@@ -280,6 +287,14 @@ class DeepSpeedEngine(nn.Module):
 
         old_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         if self.glm45v:
+            self._config.parallel.fsdp_plan = output_layer_in_root(model, self._config.parallel.fsdp_plan)
+            if forward_replaced(model) and not hasattr(model, SHARDED_AS):
+                self.log.info(
+                    "ds_compat: the model's forward was replaced on the instance (%s): it computes its own loss, so "
+                    "the chunk_loss plan does not run and lm_head stays in the root FSDP unit (its weight is read "
+                    "without calling lm_head)",
+                    getattr(vars(model)["forward"], "__qualname__", "a callable"),
+                )
             self.plan = self._config.parallel.fsdp_plan
             self.module = self._adopt(model, from_model)
         else:
@@ -394,7 +409,7 @@ class DeepSpeedEngine(nn.Module):
         pending = {name: functools.partial(gather_full, param) for name, param in partitioned.items()}
         weights = take_weights(model, pending, self.device, broadcast=self.world_size > 1)
         matched = adopt_model(model, self._config, self.dims, self.meshes, self.device_layer, self.device, weights)
-        if "chunk_loss" in matched:
+        if "chunk_loss" in matched and not forward_replaced(model):
             self.log.info(
                 "ds_compat: the loss is chunked (%s): the model's output holds .loss and no logits",
                 self._config.features.chunk_loss.mode,

@@ -12,6 +12,7 @@ What reaches the plans, and from where:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ds_compat._common import key_error
 from glm45v_fsdp.checkpoint.layout import model_tensors
+from glm45v_fsdp.config import FsdpPlanConfig
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.model.hf_forward import Glm4vMoeForScripts
 from glm45v_fsdp.plans import GivenWeights
@@ -62,6 +64,22 @@ def model_overrides(model: nn.Module) -> list[str]:
         if checkpointed != layers:  # transformers' every_n_layers: the same layers, by name
             overrides.append(f"features.recompute.apply_modules={checkpointed}")
     return overrides
+
+
+def forward_replaced(model: nn.Module) -> bool:
+    """The script replaced `forward` on the instance (TRL's fused LM head: it runs `model.model` and computes its own
+    loss from `lm_head.weight`); our forward and its chunked loss then never run."""
+    return "forward" in vars(model)
+
+
+def output_layer_in_root(model: nn.Module, plan: FsdpPlanConfig) -> FsdpPlanConfig:
+    """Under a replaced forward, `lm_head` stays in the root's FSDP unit. A forward that reads `lm_head.weight`
+    without calling `lm_head` would find a unit of its own still sharded, and a shard's `full_tensor()` gets in
+    backward only this rank's gradient, never reduced over the ranks; the root unit is gathered for any call of the
+    model, so the weight read there is the full one and its gradient is reduce-scattered as every other."""
+    if not forward_replaced(model) or "lm_head" not in plan.apply_modules:
+        return plan
+    return dataclasses.replace(plan, apply_modules=[name for name in plan.apply_modules if name != "lm_head"])
 
 
 def check_autoep_section(ds_config: dict, model: nn.Module, moe_layers: list[str]) -> None:

@@ -59,14 +59,20 @@ def launch(script: Path, nproc: int, out: Path, *args: str) -> str:
     return result.stdout + result.stderr
 
 
-def trainer_door(out: Path, ds_config: dict, hf_dir: Path, nproc: int, *overrides: str) -> list[float]:
-    """Our trainer with the same ds_config, weights (training.load) and unshuffled samples: its per-step losses."""
+def trainer_door(out: Path, ds_config: dict, hf_dir: Path, nproc: int, *overrides: str) -> tuple[list[float], str]:
+    """Our trainer with the same ds_config, weights (training.load) and unshuffled samples: its per-step losses and
+    its log."""
     path = out.parent / f"{out.name}.json"
     path.write_text(json.dumps(ds_config))
     args = ["--deepspeed", str(path), f"training.load={hf_dir}", "data.shuffle=false", f"training.train_iters={STEPS}"]
     result = train(out, [*args, *overrides], nproc=nproc)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [record["loss"] for record in read_metrics(out)]
+    return [record["loss"] for record in read_metrics(out)], result.stdout + result.stderr
+
+
+def plan_lines(log: str) -> set[str]:
+    """The headline of every plan applied: `[plan NAME] N pattern(s); what it did`."""
+    return set(re.findall(r"\[plan [a-z_]+\][^\n]*", log))
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +90,13 @@ def api_run(root: Path, hf_dir: Path, nproc: int, runs: str) -> dict:
     from glm_door_script import ON
 
     freeze = "model.freeze=[model.visual]"  # the script freezes the vision tower
-    reference = trainer_door(root / "trainer", ON, hf_dir, nproc, freeze)
+    reference, reference_log = trainer_door(root / "trainer", ON, hf_dir, nproc, freeze)
     return {
         "root": root,
         "log": log,
         "result": json.loads((root / "door" / "result.json").read_text()),
         "ref": reference,
+        "ref_log": reference_log,
     }
 
 
@@ -117,6 +124,10 @@ def test_api_script_on_the_whole_engine_equals_the_trainer_door(ranks, request):
         assert f"[plan {plan}]" in run_["log"]
     assert "GLM-4.5V recognised" in run_["log"] and "no logits" in run_["log"]
     assert "balance up to 1 replica(s)/rank" in run_["log"]
+    # the same ds_config behind `train --deepspeed` applies the same plans (the log also holds the script's OFF run;
+    # the script freezes the vision tower itself, the trainer door by its freeze plan)
+    reference_plans = {line for line in plan_lines(run_["ref_log"]) if not line.startswith("[plan freeze]")}
+    assert reference_plans <= plan_lines(run_["log"]) and "chunk_loss" in str(reference_plans)
     assert_reloads(run_["root"] / "door", "export")
 
 
@@ -148,13 +159,15 @@ def trainer_run(tmp_path_factory, hf_dir) -> dict:
     ds_config = json.loads((root / "door" / "ds_config.json").read_text())
     # transformers' GLM-4.5V declares accepts_loss_kwargs=False: the Trainer averages the micro batches' token means,
     # as the trainer door's loss_type=default does
-    reference = trainer_door(root / "trainer", ds_config, hf_dir, 2)
+    # gradient_checkpointing=True is a TrainingArguments switch, not a ds_config key: the trainer door gets it as ours
+    reference, reference_log = trainer_door(root / "trainer", ds_config, hf_dir, 2, "features.recompute.enabled=true")
     return {
         "root": root,
         "log": log,
         "result": json.loads((root / "door" / "result.json").read_text()),
         "resumed": json.loads((root / "door" / "resumed.json").read_text()),
         "ref": reference,
+        "ref_log": reference_log,
     }
 
 
@@ -168,6 +181,8 @@ def test_hf_trainer_on_the_whole_engine_equals_the_trainer_door(trainer_run):
     # from_pretrained after TrainingArguments at ZeRO 3 built the model under zero.Init: its partitions were gathered
     assert "zero.Init partition(s) gathered" in trainer_run["log"]
     assert result["applied_plans"]["expert_parallel"] == 3 and "chunk_loss" in result["applied_plans"]
+    # the same ds_config behind `train --deepspeed` applies the same plans to the same modules
+    assert plan_lines(trainer_run["log"]) == plan_lines(trainer_run["ref_log"]) != set()
 
 
 def test_hf_trainer_save_model_reloads_and_resume_continues(trainer_run):
