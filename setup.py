@@ -38,7 +38,10 @@ setup(
         # 2.13 is the first release whose FSDP2/DTensor/DCP we test on CPU; the upper bound keeps pip from
         # pulling an untested major release.
         "torch>=2.13,<2.15",
-        "transformers>=5.0,<6",
+        # 5.24 is the first release our GLM-4.5V code runs on (5.6-5.12 lack Glm4vMoeTextExperts, 5.13-5.23 differ in
+        # the rotary buffer, the losses or create_causal_mask, MultimodalMoeCausalLMOutputWithPast arrives in 5.24);
+        # CI runs the model tests on exactly this lower bound (.ci/lowest-transformers).
+        "transformers>=5.24,<6",
         "safetensors>=0.4",
         "pyyaml>=6.0",
         "pillow>=10.0",
@@ -53,7 +56,8 @@ setup(
         # accelerate: the HF Trainer / accelerate tests of the ds-fsdp switch (tests/test_hf_integration.py);
         # mindstudio-probe (import msprobe): Ascend's CPU implementations of fused NPU ops, the independent
         # reference the tests' stand-in torch_npu is checked against (tests/test_ops.py); matplotlib: the benchmark
-        # charts (tests/test_chart.py, tests/test_bench.py)
+        # charts (tests/test_chart.py, tests/test_bench.py); trl: TRL's SFTTrainer through the DeepSpeed door
+        # (tests/test_glm_door_trl.py)
         "test": [
             "pytest>=8,<10",
             "ruff>=0.5",
@@ -61,6 +65,7 @@ setup(
             "accelerate>=1.10,<2",
             "mindstudio-probe>=26.2,<27",
             "matplotlib>=3.7",
+            "trl>=1.16,<2",
         ],
         "tensorboard": ["tensorboard>=2.14"],
         # the PNG charts of `python -m glm45v_fsdp.tools.bench` (glm45v_fsdp/tools/chart.py)
