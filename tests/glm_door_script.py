@@ -6,7 +6,7 @@ batches (unshuffled; the trainer door's sampler gives the same micro batches). I
 - "off": every feature off (ZeRO 3 only);
 - "on": the same with expert_parallel.autoep_size 2, activation_checkpointing and the extension's dynamic chunk loss
   and EP balance; a checkpoint at --save_at; after the last step the consolidated state dict, saved by the model's
-  own save_pretrained, and the same tensors as safetensors for the test to compare;
+  own save_pretrained, by the engine's save_16bit_model, and the same tensors as safetensors for the test to compare;
 - "resumed": a fresh model and engine that load the checkpoint and train the steps after it.
 Rank 0 writes --out/result.json: per run the per-step losses (mean over the ranks), and what the door reported.
 """
@@ -137,6 +137,7 @@ def main() -> None:
         save_file(
             {key: value.contiguous() for key, value in state.items()}, os.path.join(args.out, "state.safetensors")
         )
+    on.save_16bit_model(os.path.join(args.out, "16bit"))  # DeepSpeed's pytorch_model.bin (collective)
     deepspeed.comm.barrier()
     on.destroy()
 

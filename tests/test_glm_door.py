@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,9 @@ def test_api_script_on_the_whole_engine_equals_the_trainer_door(ranks, request):
     reference_plans = {line for line in plan_lines(run_["ref_log"]) if not line.startswith("[plan freeze]")}
     assert reference_plans <= plan_lines(run_["log"]) and "chunk_loss" in str(reference_plans)
     assert_reloads(run_["root"] / "door", "export")
+    # save_16bit_model writes DeepSpeed's pytorch_model.bin alone; beside the model's config.json it loads too
+    shutil.copy(run_["root"] / "door" / "export" / "config.json", run_["root"] / "door" / "16bit")
+    assert_reloads(run_["root"] / "door", "16bit")
 
 
 def assert_reloads(out: Path, directory: str) -> None:
