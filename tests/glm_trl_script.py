@@ -21,15 +21,13 @@ have (it has n_routed_experts): AttributeError at the first step with or without
 """
 
 import argparse
-import json
 import os
-import sys
 
 import torch
 import trl.trainer.utils as trl_utils
 from accelerate import PartialState
 from datasets import Dataset
-from safetensors.torch import save_file
+from glm_door_hf_common import TRAINING_ARGUMENTS, StepLosses, collate, finish, make_ds_config
 from torch.distributed.fsdp import FSDPModule
 from transformers import Glm4vMoeForConditionalGeneration
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -37,7 +35,6 @@ from trl import SFTConfig, SFTTrainer
 
 from glm45v_fsdp.builders import build_training_data
 from glm45v_fsdp.config import load_config
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--hf_dir", required=True)
@@ -49,43 +46,10 @@ args = parser.parse_args()
 KEYS = ("input_ids", "labels", "mm_token_type_ids", "pixel_values", "image_grid_thw")
 SAMPLES = 32  # 6 steps of 2 ranks x 2 micro batches of 1 use the first 24
 
-ds_config = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "train_batch_size": "auto",
-    "gradient_clipping": "auto",
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {
-        "type": "WarmupLR",
-        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
-    },
-    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
-    "expert_parallel": {"enabled": True, "autoep_size": 2},
-    "glm45v_fsdp": {
-        "features": {"chunk_loss": {"mode": "dynamic", "logits_budget_mib": 0.02}, "ep_balance": {"enabled": True}}
-    },
-}
+ds_config = make_ds_config()
 if args.auto_buckets:  # as HF's and TRL's ZeRO-3 templates: the Trainer fills them from the model's hidden size
     for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
         ds_config["zero_optimization"][key] = "auto"
-
-
-def collate(samples: list[dict]) -> dict:
-    """What an HF collator for GLM-4.5V returns: right padding, images concatenated, no position_ids."""
-    length = max(len(sample["input_ids"]) for sample in samples)
-
-    def padded(key: str, value: int) -> torch.Tensor:
-        rows = [torch.nn.functional.pad(s[key], (0, length - len(s[key])), value=value) for s in samples]
-        return torch.stack(rows)
-
-    return {
-        "input_ids": padded("input_ids", 0),
-        "attention_mask": torch.stack([torch.arange(length) < len(sample["input_ids"]) for sample in samples]).long(),
-        "labels": padded("labels", IGNORE_INDEX),
-        "mm_token_type_ids": padded("mm_token_type_ids", 0),
-        "pixel_values": torch.cat([sample["pixel_values"] for sample in samples]),
-        "image_grid_thw": torch.cat([sample["image_grid_thw"] for sample in samples]),
-    }
 
 
 gathers: list[list] = []  # per call of TRL's maybe_gather_lm_head_ctx: [ZeRO-3 on, the ds_status of each tensor]
@@ -101,27 +65,16 @@ def recording_gather(*params):
 trl_utils.maybe_gather_lm_head_ctx = recording_gather
 
 
-class RecordingSFTTrainer(SFTTrainer):
+class RecordingSFTTrainer(StepLosses, SFTTrainer):
     """SFTTrainer unchanged, recording the loss of each step and what reached compute_loss."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.losses: list[float] = []
-        self.micro: list[float] = []
         self.num_items: list[float | None] = []
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self.num_items.append(None if num_items_in_batch is None else float(num_items_in_batch))
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """The Trainer's loss of one micro batch (what it logs): summed over the accumulation, averaged over ranks."""
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self.micro.append(self.accelerator.reduce(loss.detach(), "mean").item())
-        if len(self.micro) == self.args.gradient_accumulation_steps:
-            self.losses.append(sum(self.micro))
-            self.micro = []
-        return loss
 
 
 # CPU only: a state made for DeepSpeed over gloo first (accelerate picks no backend without an accelerator).
@@ -129,23 +82,9 @@ os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 PartialState(backend="gloo")
 training = SFTConfig(
     output_dir=args.out,
-    per_device_train_batch_size=1,
-    gradient_accumulation_steps=2,
-    max_steps=6,
-    learning_rate=2e-3,
-    warmup_steps=2,
-    weight_decay=0.01,
-    adam_beta2=0.95,
-    logging_steps=1,
-    save_steps=3,
-    report_to=[],
     deepspeed=ds_config,
-    gradient_checkpointing=True,
-    train_sampling_strategy="sequential",
-    seed=0,
+    **TRAINING_ARGUMENTS,
     bf16=False,
-    dataloader_num_workers=0,
-    accelerator_config={"use_configured_state": True},
     dataset_kwargs={"skip_prepare_dataset": True},
     remove_unused_columns=False,  # TRL's signature columns for a text dataset would drop the image columns
     router_aux_loss_coef=0.0,  # see the module docstring: TRL's aux loss fails on GLM-4.5V's config
@@ -172,19 +111,4 @@ result = {
     "transformers_checkpointing": model.is_activation_checkpointing,
     "backend": type(trainer.deepspeed).__module__,
 }
-if not args.resume:
-    trainer.save_model(os.path.join(args.out, "final"))
-    state = trainer.accelerator.get_state_dict(trainer.deepspeed)  # what save_model wrote, for the test to compare
-    if training.process_index == 0:
-        save_file(
-            {key: value.contiguous() for key, value in state.items()}, os.path.join(args.out, "state.safetensors")
-        )
-if training.process_index == 0:
-    with open(os.path.join(args.out, "resumed.json" if args.resume else "result.json"), "w") as handle:
-        json.dump(result, handle)
-    with open(os.path.join(args.out, "ds_config.json"), "w") as handle:
-        json.dump(trainer.deepspeed.config, handle)
-torch.distributed.barrier()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)  # CPU / gloo: end without the process-group teardown, as tests/hf_trainer_script.py
+finish(trainer, args, result)
