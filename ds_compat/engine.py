@@ -286,6 +286,9 @@ class DeepSpeedEngine(nn.Module):
                 self.log.warning("ds_compat: %s: %s", item, NOT_APPLIED[key])
 
         old_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        # read now: a generator (model.parameters()) read after the model is rebuilt would yield the new parameters,
+        # whose ids may be those of freed old ones
+        given_groups = None if model_parameters is None else _param_groups(model_parameters)
         if self.glm45v:
             self._config.parallel.fsdp_plan = output_layer_in_root(model, self._config.parallel.fsdp_plan)
             if forward_replaced(model) and not hasattr(model, SHARDED_AS):
@@ -319,7 +322,7 @@ class DeepSpeedEngine(nn.Module):
         self.lr_scheduler: Any = None
         self.step_runner: OptimizerStep | None = None  # the trainer's step object; built with the optimizer
         if optimizer is not None or self.translation.optimizer.ds_type is not None:
-            self._configure_optimizer(optimizer, model_parameters, old_names, new_params)
+            self._configure_optimizer(optimizer, given_groups, old_names, new_params)
             self._configure_lr_scheduler(lr_scheduler)
             self.step_runner = OptimizerStep(
                 [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad],
@@ -440,14 +443,15 @@ class DeepSpeedEngine(nn.Module):
     def _configure_optimizer(
         self,
         client_optimizer: Any,
-        model_parameters: Any,
+        given_groups: list[dict[str, Any]] | None,
         old_names: dict[int, str],
         new_params: dict[str, nn.Parameter],
     ) -> None:
-        if model_parameters is None:
+        """`given_groups`: model_parameters as param groups over the model's parameters before sharding."""
+        if given_groups is None:
             groups = [{"params": list(self.module.parameters())}]
         else:
-            groups = _remap_groups(_param_groups(model_parameters), old_names, new_params)
+            groups = _remap_groups(given_groups, old_names, new_params)
         if client_optimizer is None:
             optimizer = self.translation.optimizer.build(groups, fused=self.device_layer.has_fused_adamw())
             self.log.info("ds_compat: optimizer from the ds_config: %s", self.translation.optimizer.describe())
