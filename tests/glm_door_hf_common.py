@@ -53,8 +53,17 @@ TRAINING_ARGUMENTS = {
 }
 
 
-def make_ds_config() -> dict:
-    return copy.deepcopy(DS_CONFIG)
+def make_ds_config(features: bool) -> dict:
+    """DS_CONFIG; without `features`, ZeRO 3 alone (no expert_parallel, no extension section)."""
+    config = copy.deepcopy(DS_CONFIG)
+    if not features:
+        del config["expert_parallel"], config["glm45v_fsdp"]
+    return config
+
+
+def training_arguments(features: bool) -> dict:
+    """TRAINING_ARGUMENTS; without `features`, no gradient checkpointing (so no recompute plan)."""
+    return {**TRAINING_ARGUMENTS, "gradient_checkpointing": features}
 
 
 def collate(samples: list[dict]) -> dict:
@@ -91,6 +100,14 @@ class StepLosses:
             self.losses.append(sum(self.micro))
             self.micro = []
         return loss
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hf_dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--resume", action="store_true", help="continue from --out/checkpoint-3 (resumed.json)")
+    parser.add_argument("--features_off", action="store_true", help="ZeRO 3 alone, no gradient checkpointing")
+    parser.add_argument("--local_rank", type=int, default=-1)
 
 
 def finish(trainer, args: argparse.Namespace, result: dict) -> None:

@@ -17,20 +17,17 @@ import os
 
 import torch
 from accelerate import PartialState
-from glm_door_hf_common import TRAINING_ARGUMENTS, StepLosses, collate, finish, make_ds_config
+from glm_door_hf_common import StepLosses, add_arguments, collate, finish, make_ds_config, training_arguments
 from transformers import Glm4vMoeForConditionalGeneration, Trainer, TrainingArguments
 
 from glm45v_fsdp.builders import build_training_data
 from glm45v_fsdp.config import load_config
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--hf_dir", required=True)
-parser.add_argument("--out", required=True)
-parser.add_argument("--resume", action="store_true")
-parser.add_argument("--local_rank", type=int, default=-1)
+add_arguments(parser)
 args = parser.parse_args()
 
-ds_config = make_ds_config()
+ds_config = make_ds_config(features=not args.features_off)
 
 
 class RecordingTrainer(StepLosses, Trainer):
@@ -40,7 +37,7 @@ class RecordingTrainer(StepLosses, Trainer):
 # CPU only: a state made for DeepSpeed over gloo first (accelerate picks no backend without an accelerator).
 os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 PartialState(backend="gloo")
-training = TrainingArguments(output_dir=args.out, deepspeed=ds_config, **TRAINING_ARGUMENTS)
+training = TrainingArguments(output_dir=args.out, deepspeed=ds_config, **training_arguments(not args.features_off))
 model = Glm4vMoeForConditionalGeneration.from_pretrained(args.hf_dir, dtype=torch.float32)
 data = build_training_data(load_config(None, ["data.shuffle=false"]), model.config)
 trainer = RecordingTrainer(model=model, args=training, train_dataset=data.dataset, data_collator=collate)

@@ -27,7 +27,7 @@ import torch
 import trl.trainer.utils as trl_utils
 from accelerate import PartialState
 from datasets import Dataset
-from glm_door_hf_common import TRAINING_ARGUMENTS, StepLosses, collate, finish, make_ds_config
+from glm_door_hf_common import StepLosses, add_arguments, collate, finish, make_ds_config, training_arguments
 from torch.distributed.fsdp import FSDPModule
 from transformers import Glm4vMoeForConditionalGeneration
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -37,16 +37,13 @@ from glm45v_fsdp.builders import build_training_data
 from glm45v_fsdp.config import load_config
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--hf_dir", required=True)
-parser.add_argument("--out", required=True)
-parser.add_argument("--resume", action="store_true")
+add_arguments(parser)
 parser.add_argument("--auto_buckets", action="store_true")
-parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 KEYS = ("input_ids", "labels", "mm_token_type_ids", "pixel_values", "image_grid_thw")
 SAMPLES = 32  # 6 steps of 2 ranks x 2 micro batches of 1 use the first 24
 
-ds_config = make_ds_config()
+ds_config = make_ds_config(features=not args.features_off)
 if args.auto_buckets:  # as HF's and TRL's ZeRO-3 templates: the Trainer fills them from the model's hidden size
     for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
         ds_config["zero_optimization"][key] = "auto"
@@ -83,7 +80,7 @@ PartialState(backend="gloo")
 training = SFTConfig(
     output_dir=args.out,
     deepspeed=ds_config,
-    **TRAINING_ARGUMENTS,
+    **training_arguments(not args.features_off),
     bf16=False,
     dataset_kwargs={"skip_prepare_dataset": True},
     remove_unused_columns=False,  # TRL's signature columns for a text dataset would drop the image columns

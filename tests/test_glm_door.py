@@ -160,6 +160,7 @@ def trainer_run(tmp_path_factory, hf_dir) -> dict:
     root = tmp_path_factory.mktemp("hf_trainer")
     log = launch(TRAINER_SCRIPT, 2, root / "door", "--hf_dir", str(hf_dir))
     launch(TRAINER_SCRIPT, 2, root / "door", "--hf_dir", str(hf_dir), "--resume")
+    launch(TRAINER_SCRIPT, 2, root / "off", "--hf_dir", str(hf_dir), "--features_off")
     ds_config = json.loads((root / "door" / "ds_config.json").read_text())
     # transformers' GLM-4.5V declares accepts_loss_kwargs=False: the Trainer averages the micro batches' token means,
     # as the trainer door's loss_type=default does
@@ -170,6 +171,7 @@ def trainer_run(tmp_path_factory, hf_dir) -> dict:
         "log": log,
         "result": json.loads((root / "door" / "result.json").read_text()),
         "resumed": json.loads((root / "door" / "resumed.json").read_text()),
+        "off": json.loads((root / "off" / "result.json").read_text()),
         "ref": reference,
         "ref_log": reference_log,
     }
@@ -187,6 +189,12 @@ def test_hf_trainer_on_the_whole_engine_equals_the_trainer_door(trainer_run):
     assert result["applied_plans"]["expert_parallel"] == 3 and "chunk_loss" in result["applied_plans"]
     # the same ds_config behind `train --deepspeed` applies the same plans to the same modules
     assert plan_lines(trainer_run["log"]) == plan_lines(trainer_run["ref_log"]) != set()
+
+
+def test_hf_trainer_features_off_gives_the_same_losses(trainer_run):
+    off = trainer_run["off"]
+    assert not any(off["applied_plans"].get(plan) for plan in ("recompute", "chunk_loss", "expert_parallel"))
+    assert mean_relative_error(trainer_run["result"]["losses"], off["losses"], STEPS) <= LIMIT
 
 
 def test_hf_trainer_save_model_reloads_and_resume_continues(trainer_run):

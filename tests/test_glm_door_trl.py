@@ -38,6 +38,7 @@ def trl_run(tmp_path_factory, hf_dir) -> dict:
     root = tmp_path_factory.mktemp("trl_sft")
     log = launch(TRL_SCRIPT, 2, root / "door", "--hf_dir", str(hf_dir))
     launch(TRL_SCRIPT, 2, root / "door", "--hf_dir", str(hf_dir), "--resume")
+    launch(TRL_SCRIPT, 2, root / "off", "--hf_dir", str(hf_dir), "--features_off")
     ds_config = json.loads((root / "door" / "ds_config.json").read_text())
     # loss_type=default (the module docstring); gradient_checkpointing=True is an SFTConfig switch, not a ds_config
     # key: the trainer door gets it as ours
@@ -48,6 +49,7 @@ def trl_run(tmp_path_factory, hf_dir) -> dict:
         "log": log,
         "result": json.loads((root / "door" / "result.json").read_text()),
         "resumed": json.loads((root / "door" / "resumed.json").read_text()),
+        "off": json.loads((root / "off" / "result.json").read_text()),
         "ref": reference,
         "ref_log": reference_log,
     }
@@ -80,6 +82,12 @@ def test_trl_sft_on_the_whole_engine_equals_the_trainer_door(trl_run):
 
     assert without_fsdp(trl_run["log"]) == without_fsdp(trl_run["ref_log"]) != set()
     assert "lm_head stays in the root FSDP unit" in trl_run["log"] and "no logits" not in trl_run["log"]
+
+
+def test_trl_sft_features_off_gives_the_same_losses(trl_run):
+    off = trl_run["off"]
+    assert not any(off["applied_plans"].get(plan) for plan in ("recompute", "chunk_loss", "expert_parallel"))
+    assert mean_relative_error(trl_run["result"]["losses"], off["losses"], steps=STEPS) <= LIMIT
 
 
 def test_trl_save_model_reloads_and_resume_continues(trl_run):
