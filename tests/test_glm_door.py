@@ -155,19 +155,21 @@ def test_api_script_resume_continues_exactly(api2):
     assert result["resumed"] == pytest.approx(result["on"][SAVE_AT:], rel=1e-9, abs=0.0)
 
 
-@pytest.fixture(scope="module")
-def trainer_run(tmp_path_factory, hf_dir) -> dict:
-    root = tmp_path_factory.mktemp("hf_trainer")
-    log = launch(TRAINER_SCRIPT, 2, root / "door", "--hf_dir", str(hf_dir))
-    launch(TRAINER_SCRIPT, 2, root / "door", "--hf_dir", str(hf_dir), "--resume")
-    launch(TRAINER_SCRIPT, 2, root / "off", "--hf_dir", str(hf_dir), "--features_off")
+def hf_script_run(root: Path, script: Path, hf_dir: Path) -> dict:
+    """An HF Trainer-style script (tests/glm_door_hf_common.py) with its features on, resumed from checkpoint-3 in a
+    fresh launch, with every feature off, and the trainer door beside it on the ds_config the script resolved.
+
+    transformers' GLM-4.5V declares accepts_loss_kwargs=False: the Trainer (and TRL) average the micro batches' token
+    means, as the trainer door's loss_type=default does. gradient_checkpointing=True is a TrainingArguments switch,
+    not a ds_config key: the trainer door gets it as ours."""
+    log = launch(script, 2, root / "door", "--hf_dir", str(hf_dir))
+    launch(script, 2, root / "door", "--hf_dir", str(hf_dir), "--resume")
+    launch(script, 2, root / "off", "--hf_dir", str(hf_dir), "--features_off")
     ds_config = json.loads((root / "door" / "ds_config.json").read_text())
-    # transformers' GLM-4.5V declares accepts_loss_kwargs=False: the Trainer averages the micro batches' token means,
-    # as the trainer door's loss_type=default does
-    # gradient_checkpointing=True is a TrainingArguments switch, not a ds_config key: the trainer door gets it as ours
     reference, reference_log = trainer_door(root / "trainer", ds_config, hf_dir, 2, "features.recompute.enabled=true")
     return {
         "root": root,
+        "hf_dir": hf_dir,
         "log": log,
         "result": json.loads((root / "door" / "result.json").read_text()),
         "resumed": json.loads((root / "door" / "resumed.json").read_text()),
@@ -175,6 +177,11 @@ def trainer_run(tmp_path_factory, hf_dir) -> dict:
         "ref": reference,
         "ref_log": reference_log,
     }
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory, hf_dir) -> dict:
+    return hf_script_run(tmp_path_factory.mktemp("hf_trainer"), TRAINER_SCRIPT, hf_dir)
 
 
 def test_hf_trainer_on_the_whole_engine_equals_the_trainer_door(trainer_run):

@@ -26,7 +26,7 @@ import json
 
 import pytest
 from conftest import REPO, mean_relative_error
-from test_glm_door import LIMIT, SAVE_AT, STEPS, assert_reloads, hf_dir, launch, plan_lines, trainer_door
+from test_glm_door import LIMIT, SAVE_AT, STEPS, assert_reloads, hf_dir, hf_script_run, launch, plan_lines
 
 __all__ = ["hf_dir"]  # the module fixture of tests/test_glm_door.py: the same tiny GLM-4.5V as an HF directory
 
@@ -35,24 +35,7 @@ TRL_SCRIPT = REPO / "tests" / "glm_trl_script.py"
 
 @pytest.fixture(scope="module")
 def trl_run(tmp_path_factory, hf_dir) -> dict:
-    root = tmp_path_factory.mktemp("trl_sft")
-    log = launch(TRL_SCRIPT, 2, root / "door", "--hf_dir", str(hf_dir))
-    launch(TRL_SCRIPT, 2, root / "door", "--hf_dir", str(hf_dir), "--resume")
-    launch(TRL_SCRIPT, 2, root / "off", "--hf_dir", str(hf_dir), "--features_off")
-    ds_config = json.loads((root / "door" / "ds_config.json").read_text())
-    # loss_type=default (the module docstring); gradient_checkpointing=True is an SFTConfig switch, not a ds_config
-    # key: the trainer door gets it as ours
-    reference, reference_log = trainer_door(root / "trainer", ds_config, hf_dir, 2, "features.recompute.enabled=true")
-    return {
-        "root": root,
-        "hf_dir": hf_dir,
-        "log": log,
-        "result": json.loads((root / "door" / "result.json").read_text()),
-        "resumed": json.loads((root / "door" / "resumed.json").read_text()),
-        "off": json.loads((root / "off" / "result.json").read_text()),
-        "ref": reference,
-        "ref_log": reference_log,
-    }
+    return hf_script_run(tmp_path_factory.mktemp("trl_sft"), TRL_SCRIPT, hf_dir)
 
 
 def test_trl_sft_on_the_whole_engine_equals_the_trainer_door(trl_run):
