@@ -234,13 +234,13 @@ class DeepSpeedEngine(nn.Module):
         self.device = self.device_layer.device(self.local_rank)
         self.translation: Translation = translate(config, self.world_size)
         self.glm45v = is_glm45v(model)  # GLM-4.5V runs on the plan registry; any other module on the generic path
-        if self.translation.sequence_parallel_size > 1:
+        if self.translation.sequence_parallel_size > 1 and not self.glm45v:
             raise UserError(
                 f"DeepSpeed config key 'sequence_parallel_size' = {self.translation.sequence_parallel_size} is not "
-                "supported by the engine API yet: splitting the sequence needs the model's own sequence-parallel "
-                "attention (DeepSpeed takes it through mpu / mesh_param, which this backend does not accept). "
-                "GLM-4.5V trains with Ulysses context parallelism through our trainer: "
-                "`python -m glm45v_fsdp.train --deepspeed ds_config.json`. Remove the key for the engine API."
+                f"supported for a {type(model).__name__} by the engine API: splitting the sequence needs the "
+                "model's own sequence-parallel attention (DeepSpeed takes it through mpu / mesh_param, which this "
+                "backend does not accept), which this backend has for GLM-4.5V (transformers' "
+                "Glm4vMoeForConditionalGeneration) only. Remove the key, or pass a GLM-4.5V."
             )
         expert_parallel = next(
             (item for item in self.translation.overrides if item.startswith("parallel.expert_parallel_size=")), None

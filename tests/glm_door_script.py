@@ -7,7 +7,8 @@ batches (unshuffled; the trainer door's sampler gives the same micro batches). I
 - "on": the same with expert_parallel.autoep_size 2, activation_checkpointing and the extension's dynamic chunk loss
   and EP balance; a checkpoint at --save_at; after the last step the consolidated state dict, saved by the model's
   own save_pretrained, by the engine's save_16bit_model, and the same tensors as safetensors for the test to compare;
-- "resumed": a fresh model and engine that load the checkpoint and train the steps after it.
+- "resumed": a fresh model and engine that load the checkpoint and train the steps after it;
+- CP_RUNS: "off" with context parallelism (Ulysses 2, Ring 2 from the extension, Ulysses 2 with EP 2).
 Rank 0 writes --out/result.json: per run the per-step losses (mean over the ranks), and what the door reported.
 """
 
@@ -20,6 +21,7 @@ import os
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import Glm4vMoeForConditionalGeneration
 
@@ -54,6 +56,18 @@ ON = {
     },
 }
 
+# Context parallelism, each sequence split over 2 ranks: on 4 ranks these are 2 data-parallel groups, the samples of
+# each step those of "off" on 2 ranks. Ring and hybrid sizes come from the extension section.
+CP_RUNS = {
+    "ulysses2": {**copy.deepcopy(OFF), "sequence_parallel_size": 2},
+    "ring2": {**copy.deepcopy(OFF), "glm45v_fsdp": {"parallel": {"ring_attention_size": 2}}},
+    "ulysses2_ep2": {
+        **copy.deepcopy(OFF),
+        "sequence_parallel_size": 2,
+        "expert_parallel": {"enabled": True, "autoep_size": 2},
+    },
+}
+
 
 def build(hf_dir: str, config: dict):
     model = Glm4vMoeForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
@@ -82,6 +96,27 @@ def batches(engine, start_step: int):
     loader = build_dataloader(data.dataset, sampler, data.tokenizer.pad_token_id, packing=False, num_workers=0)
     for batch in loader:
         yield {key: batch[key] for key in HF_KEYS}
+
+
+def groups_seen(engine) -> dict:
+    """What deepspeed.utils.groups answers for the engine's layout, beside the engine's own meshes."""
+    from deepspeed.utils import groups
+
+    seen = {
+        "sp_size": groups._get_sequence_parallel_world_size(),
+        "sp_ranks": dist.get_process_group_ranks(groups._get_sequence_parallel_group()),
+        "cp_ranks": dist.get_process_group_ranks(engine.meshes.cp.get_group()),
+        "dp_size": groups._get_data_parallel_world_size(),
+        "engine_dp_size": engine.dp_world_size,
+    }
+    if engine.meshes.dims.ep > 1:
+        name = groups._get_max_expert_size_name()
+        seen.update(
+            ep_name=name,
+            ep_ranks=groups._get_expert_parallel_group_ranks(name),
+            engine_ep_ranks=dist.get_process_group_ranks(engine.meshes.ep.get_group()),
+        )
+    return seen
 
 
 def train(engine, first: int, last: int, save=None) -> list[float]:
@@ -121,6 +156,18 @@ def main() -> None:
         _, off = build(args.hf_dir, OFF)
         result["off"] = train(off, 0, args.steps)
         off.destroy()
+
+    for name in (run for run in runs if run in CP_RUNS):
+        model, engine = build(args.hf_dir, CP_RUNS[name])
+        result[name] = train(engine, 0, args.steps)
+        result[f"{name}_plans"] = dict(model.applied_plans)
+        result[f"{name}_groups"] = groups_seen(engine)
+        engine.destroy()
+    if "on" not in runs:
+        if rank == 0:
+            with open(os.path.join(args.out, "result.json"), "w") as handle:
+                json.dump(result, handle, indent=1)
+        return
 
     model, on = build(args.hf_dir, ON)
     checkpoint = os.path.join(args.out, "checkpoint")

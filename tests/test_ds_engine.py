@@ -167,7 +167,10 @@ def test_sharded_engine_checks(tmp_path):
     assert checks["module_only"] == ["mine", {"k": 1}, 0, True]
     assert checks["full_load"] == ["global_step2", {"k": 2}, 2, pytest.approx([1e-3 / 3, 5e-4 / 3])]
     assert checks["save_16bit_bf16"] == "torch.bfloat16"
-    assert "'sequence_parallel_size' = 2 is not supported by the engine API" in checks["sequence_parallel_refused"]
+    assert (
+        "'sequence_parallel_size' = 2 is not supported for a TinyLM by the engine API"
+        in checks["sequence_parallel_refused"]
+    )
     assert "'expert_parallel.autoep_size' = 2 is not supported for a TinyLM" in checks["expert_parallel_refused"]
 
 

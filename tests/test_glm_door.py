@@ -32,13 +32,15 @@ from transformers import Glm4vMoeForConditionalGeneration
 from ds_compat.config import translate
 from ds_compat.glm_door import check_autoep_section, is_glm45v, model_overrides
 from glm45v_fsdp.config import ModelConfig
-from glm45v_fsdp.errors import ConfigError
+from glm45v_fsdp.errors import ConfigError, UserError
 from glm45v_fsdp.model import load_hf_config
+from glm45v_fsdp.model.hf_forward import Glm4vMoeForScripts
 from glm45v_fsdp.plans import moe_layer_names
 
 API_SCRIPT = REPO / "tests" / "glm_door_script.py"
 TRAINER_SCRIPT = REPO / "tests" / "glm_hf_trainer_script.py"
 STEPS, SAVE_AT = 6, 3
+CP_NAMES = ("ulysses2", "ring2", "ulysses2_ep2")  # tests/glm_door_script.py's CP_RUNS
 LIMIT = 1e-5  # mean relative loss error, fp32
 
 
@@ -155,6 +157,44 @@ def test_api_script_resume_continues_exactly(api2):
     assert result["resumed"] == pytest.approx(result["on"][SAVE_AT:], rel=1e-9, abs=0.0)
 
 
+@pytest.fixture(scope="module")
+def cp4(tmp_path_factory, hf_dir) -> dict:
+    """The DeepSpeed-API script's context-parallel runs on 4 ranks (2 data-parallel groups of 2: the samples of each
+    step are those of the 2-rank "off" run), and the trainer door's Ulysses 2 run on the same ds_config."""
+    root = tmp_path_factory.mktemp("cp4")
+    sys.path.insert(0, str(REPO / "tests"))
+    from glm_door_script import CP_RUNS
+
+    assert tuple(CP_RUNS) == CP_NAMES
+    runs = ",".join(CP_NAMES)
+    log = launch(API_SCRIPT, 4, root / "door", "--hf_dir", str(hf_dir), "--steps", str(STEPS), "--runs", runs)
+    freeze = "model.freeze=[model.visual]"  # the script freezes the vision tower
+    reference, reference_log = trainer_door(root / "trainer", CP_RUNS["ulysses2"], hf_dir, 4, freeze)
+    return {
+        "log": log,
+        "result": json.loads((root / "door" / "result.json").read_text()),
+        "ref": reference,
+        "ref_log": reference_log,
+    }
+
+
+@pytest.mark.parametrize("name", CP_NAMES)
+def test_api_script_context_parallel_equals_cp1_and_the_trainer_door(name, cp4, api2):
+    """sequence_parallel_size (Ulysses), the extension's Ring size, and Ulysses with EP: each rank of a sequence
+    group gets the whole micro batch from the script, the engine splits it, and the loss the script sees is the
+    whole micro batch's."""
+    result = cp4["result"]
+    assert mean_relative_error(result[name], api2["result"]["off"], STEPS) <= LIMIT
+    assert mean_relative_error(result[name], cp4["ref"], STEPS) <= LIMIT
+    assert result[f"{name}_plans"]["context_parallel"] > 0
+    groups = result[f"{name}_groups"]
+    assert groups["sp_size"] == 2 and groups["sp_ranks"] == groups["cp_ranks"]
+    assert groups["dp_size"] == groups["engine_dp_size"] == 2
+    if name.endswith("ep2"):
+        assert result[f"{name}_plans"]["expert_parallel"] > 0
+        assert groups["ep_name"] == "ep_size_2" and groups["ep_ranks"] == groups["engine_ep_ranks"]
+
+
 def hf_script_run(root: Path, script: Path, hf_dir: Path) -> dict:
     """An HF Trainer-style script (tests/glm_door_hf_common.py) with its features on, resumed from checkpoint-3 in a
     fresh launch, with every feature off, and the trainer door beside it on the ds_config the script resolved.
@@ -266,6 +306,23 @@ def test_forward_returns_transformers_loss_token_mean_and_num_items(chunked):
 def _meta_glm() -> Glm4vMoeForConditionalGeneration:
     with torch.device("meta"):
         return Glm4vMoeForConditionalGeneration(load_hf_config(ModelConfig()))
+
+
+class _SplitInTwo:
+    """A sequence layout splitting over 2 ranks, as far as the forward asks before computing anything."""
+
+    size = 2
+
+    def describe(self) -> str:
+        return "Ulysses 2"
+
+
+def test_forward_without_labels_under_context_parallelism_is_refused():
+    model = _meta_glm()
+    model.__class__ = Glm4vMoeForScripts
+    model.sequence_layout = _SplitInTwo()
+    with pytest.raises(UserError, match="without labels under context parallelism \\(Ulysses 2\\)"):
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
 
 
 def test_transformers_checkpointing_becomes_the_recompute_plan_and_is_switched_off():

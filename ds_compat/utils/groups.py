@@ -1,11 +1,14 @@
 """`deepspeed.utils.groups` on FSDP2: DeepSpeed's process-group queries, answered from the engine's device meshes.
 
-The engine API runs data parallelism only (ZeRO stages as FSDP2 layouts; no tensor, pipeline, sequence or expert
-parallelism: ds_compat/engine.py refuses them), so the answers are DeepSpeed's for a job without an mpu: the
-data-parallel group is the engine's data-parallel mesh (every rank; the whole world before `deepspeed.initialize`),
-the sequence-parallel size is 1 with no sequence-parallel group (KeyError, as DeepSpeed), the model-parallel size is
-1, and asking for a tensor-parallel or expert-parallel group is DeepSpeed's AssertionError ("... is not
-initialized"). Megatron's `mpu` and `initialize(ep_size, mpu)` are not taken: the layout comes from the ds_config.
+The engine API runs data parallelism (ZeRO stages as FSDP2 layouts) on any module, and on GLM-4.5V also context
+parallelism (`sequence_parallel_size`, Ring from the extension section) and expert parallelism
+(`expert_parallel.autoep_size`); no tensor or pipeline parallelism. The answers are DeepSpeed's for that layout: the
+data-parallel group is the engine's data-parallel mesh (the whole world before `deepspeed.initialize`); the
+sequence-parallel group is the engine's context-parallel mesh (Ulysses x Ring), absent at size 1 (KeyError, as
+DeepSpeed); sequence x data parallel is every rank; the expert-parallel groups are named as DeepSpeed names them
+(`ep_size_N`: the EP mesh, with the expert-data-parallel mesh beside it), none without EP; the model-parallel size is
+1, and asking for a group that does not exist is DeepSpeed's AssertionError ("... is not initialized"). Megatron's
+`mpu` and `initialize(ep_size, mpu)` are not taken: the layout comes from the ds_config.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ if TYPE_CHECKING:
     from glm45v_fsdp.runtime.mesh import ParallelMeshes
 
 _meshes: ParallelMeshes | None = None
-_TRAINER = (
-    "GLM-4.5V trains with expert and Ulysses / Ring context parallelism through `python -m glm45v_fsdp.train "
-    "--deepspeed ds_config.json`"
+_LAYOUT = (
+    "GLM-4.5V trains with expert and Ulysses / Ring context parallelism through the engine API or `python -m "
+    "glm45v_fsdp.train --deepspeed ds_config.json` (expert_parallel.autoep_size, sequence_parallel_size)"
 )
 
 
@@ -38,9 +41,7 @@ def _require_dist() -> None:
 
 
 def _not_initialized(group: str) -> NoReturn:
-    raise DeepSpeedAssertion(
-        f"{group} group is not initialized: the engine API of the FSDP2 backend runs data parallelism only. {_TRAINER}."
-    )
+    raise DeepSpeedAssertion(f"{group} group is not initialized: this engine's layout has none. {_LAYOUT}.")
 
 
 def initialize(ep_size: int = 1, mpu: Any = None) -> None:
@@ -48,7 +49,7 @@ def initialize(ep_size: int = 1, mpu: Any = None) -> None:
     if ep_size != 1 or mpu is not None:
         raise ValueError(
             f"deepspeed.utils.groups.initialize(ep_size={ep_size}, mpu={mpu!r}): the FSDP2 backend takes its layout "
-            f"from the ds_config, not from an mpu, and its engine API runs no expert parallelism. {_TRAINER}."
+            f"from the ds_config, not from an mpu or this call. {_LAYOUT}."
         )
 
 
@@ -77,23 +78,31 @@ def _get_broadcast_src_rank() -> int:
     return dist.get_global_rank(_get_sequence_data_parallel_group(), 0)
 
 
-# Sequence parallel: none in the engine API; sequence x data parallel is then data parallel.
+# Sequence parallel: the engine's context-parallel mesh; sequence x data parallel: every rank.
+
+
+def _context_parallel_size() -> int:
+    return 1 if _meshes is None else _meshes.dims.cp
 
 
 def _get_sequence_parallel_world_size() -> int:
     _require_dist()
-    return 1
+    return _context_parallel_size()
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0
+    return 0 if _context_parallel_size() == 1 else _meshes.cp.get_local_rank()
 
 
-def _get_sequence_parallel_group() -> NoReturn:
-    raise KeyError(f"No sequence parallel group found: the engine API runs no sequence parallelism. {_TRAINER}.")
+def _get_sequence_parallel_group() -> dist.ProcessGroup:
+    if _context_parallel_size() == 1:
+        raise KeyError(f"No sequence parallel group found: this engine splits no sequence. {_LAYOUT}.")
+    return _meshes.cp.get_group()
 
 
 def _get_sequence_data_parallel_group() -> dist.ProcessGroup:
+    if _context_parallel_size() > 1:
+        return dist.group.WORLD
     return _get_data_parallel_group()
 
 
@@ -145,43 +154,57 @@ def get_model_parallel_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
-# Expert parallel: no groups (DeepSpeed names them "ep_size_N").
+# Expert parallel: the engine's EP mesh and the expert-data-parallel mesh beside it, named as DeepSpeed names them
+# ("ep_size_N"); none without EP.
+
+
+def _expert_size() -> int:
+    return 1 if _meshes is None else _meshes.dims.ep
 
 
 def _get_expert_parallel_group_dict() -> dict[str, dist.ProcessGroup]:
-    return {}
+    size = _expert_size()
+    return {} if size == 1 else {f"ep_size_{size}": _meshes.ep.get_group()}
 
 
 def _get_expert_data_parallel_group_dict() -> dict[str, dist.ProcessGroup]:
-    return {}
+    size = _expert_size()
+    return {} if size == 1 else {f"ep_size_{size}": _meshes.expert_shard.get_group()}
 
 
 def _get_max_expert_size() -> int | None:
-    return None
+    size = _expert_size()
+    return None if size == 1 else size
 
 
 def _get_max_expert_size_name() -> str:
     return f"ep_size_{_get_max_expert_size()}"
 
 
-def _get_expert_parallel_group(group_name: str) -> NoReturn:
-    _not_initialized("expert parallel")
+def _get_expert_parallel_group(group_name: str) -> dist.ProcessGroup:
+    group = _get_expert_parallel_group_dict().get(group_name)
+    if group is None:
+        _not_initialized(f"expert parallel {group_name}")
+    return group
 
 
-def _get_expert_data_parallel_group(group_name: str) -> NoReturn:
-    _not_initialized("expert data parallel")
+def _get_expert_data_parallel_group(group_name: str) -> dist.ProcessGroup:
+    group = _get_expert_data_parallel_group_dict().get(group_name)
+    if group is None:
+        _not_initialized(f"expert data parallel {group_name}")
+    return group
 
 
-def _get_max_expert_parallel_group() -> NoReturn:
+def _get_max_expert_parallel_group() -> dist.ProcessGroup:
     return _get_expert_parallel_group(_get_max_expert_size_name())
 
 
-def _get_expert_parallel_group_ranks(group_name: str) -> NoReturn:
-    return _get_expert_parallel_group(group_name)
+def _get_expert_parallel_group_ranks(group_name: str) -> list[int]:
+    return dist.get_process_group_ranks(_get_expert_parallel_group(group_name))
 
 
-def _get_expert_data_parallel_group_ranks(group_name: str) -> NoReturn:
-    return _get_expert_data_parallel_group(group_name)
+def _get_expert_data_parallel_group_ranks(group_name: str) -> list[int]:
+    return dist.get_process_group_ranks(_get_expert_data_parallel_group(group_name))
 
 
 def _get_expert_parallel_world_size(group_name: str) -> int:

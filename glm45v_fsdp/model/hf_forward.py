@@ -6,7 +6,14 @@ sequence layout, the vision tower first, the chunked loss when its plan is on) a
 collator makes, returning transformers' `MultimodalMoeCausalLMOutputWithPast`:
 - `loss`: the token mean of the micro batch's cross-entropy, or its sum over `num_items_in_batch` when the HF Trainer
   passes that count (its normalisation over the accumulation and the ranks), as transformers' ForCausalLMLoss;
-- `logits`: fp32 logits when the loss is not chunked; None under the chunked loss, which never holds them.
+- `logits`: fp32 logits when the loss is not chunked and the sequence is whole on this rank; None under the chunked
+  loss, which never holds them, and under context parallelism, where each rank holds a part of the sequence.
+
+Under context parallelism (the CP plan installs a split `sequence_layout`) every rank of a sequence group gets the
+whole micro batch and the forward splits it itself (padding to a multiple of the CP size, the text, the mRoPE
+positions, the images by image). The returned loss has the value a single rank computes for the whole micro batch
+(the CE sums of the group's parts added up) and the gradient of this rank's part only, so the gradients FSDP2 sums
+over the ranks count each token once.
 """
 
 from __future__ import annotations
@@ -87,15 +94,31 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
         }
         if labels is None and shift_labels is None:
             layout = self.sequence_layout
+            if layout.size > 1:
+                raise UserError(
+                    "The GLM-4.5V model was called without labels under context parallelism "
+                    f"({layout.describe()}): each rank holds a part of the sequence, so this forward returns only a "
+                    "loss. Pass labels, or run the forward without sequence_parallel_size."
+                )
             batch = layout.pad(batch)
             hidden = forward_hidden(self, batch, layout.encode_images(self, batch))
             return MultimodalMoeCausalLMOutputWithPast(logits=self.lm_head(hidden).float())
         batch.update(labels=labels, shift_labels=shift_labels)
         loss_sum, count, logits = model_loss_sum_and_logits(self, batch)
+        if self.sequence_layout.size > 1:
+            loss_sum = _whole_sequence_value(loss_sum, self.sequence_layout)
+            logits = None
         divisor = count if num_items_in_batch is None else num_items_in_batch
         if torch.is_tensor(divisor):
             divisor = divisor.to(loss_sum.device)
         return MultimodalMoeCausalLMOutputWithPast(loss=loss_sum / divisor, logits=logits)
+
+
+def _whole_sequence_value(part: torch.Tensor, layout: Any) -> torch.Tensor:
+    """This rank's CE sum with the value of the whole sequence's (summed over the sequence group) and the gradient of
+    this rank's part alone."""
+    whole = layout.reduce(part.detach().clone())
+    return part + (whole - part.detach())
 
 
 def _check_kwargs(kwargs: dict[str, Any]) -> None:

@@ -31,7 +31,8 @@ from glm45v_fsdp.model.loss import WholeSequence, encode_images, no_image_featur
 
 
 def pad_to_multiple(batch: dict, size: int, pad_token_id: int) -> dict:
-    """Right-pad a collated batch's sequence dim to a multiple of `size` (pad id, label -100).
+    """Right-pad a collated batch's sequence dim to a multiple of `size` (pad id, label -100; position ids when the
+    batch has them).
 
     The padding sits after every real token of every row, so under the causal mask no real token sees it; its
     attention mask is 1, not 0: a 0 would turn a batch without padding into one that needs an explicit
@@ -44,10 +45,14 @@ def pad_to_multiple(batch: dict, size: int, pad_token_id: int) -> dict:
         return batch
     padded = dict(batch)
     padded["input_ids"] = F.pad(batch["input_ids"], (0, extra), value=pad_token_id)
-    padded["labels"] = F.pad(batch["labels"], (0, extra), value=IGNORE_INDEX)
+    for key in ("labels", "shift_labels"):  # a script's batch may bring its targets pre-shifted (shift_labels)
+        if batch.get(key) is not None:
+            padded[key] = F.pad(batch[key], (0, extra), value=IGNORE_INDEX)
     padded["mm_token_type_ids"] = F.pad(batch["mm_token_type_ids"], (0, extra), value=0)
     if batch.get("attention_mask") is not None:
         padded["attention_mask"] = F.pad(batch["attention_mask"], (0, extra), value=1)
+    if batch.get("position_ids") is None:  # an HF collator's batch: the model derives the positions, padding included
+        return padded
     positions = F.pad(batch["position_ids"], (0, extra), value=0)
     if positions.shape[0] == 4:  # packed: the text positions run on, so the padding joins the last sample
         last = batch["position_ids"][0, :, -1:]
