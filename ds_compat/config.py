@@ -33,7 +33,7 @@ from ds_compat._common import (
     is_number,
     key_error,
 )
-from ds_compat.extension import map_extension
+from ds_compat.extension import map_extension, ring_attention_size
 from ds_compat.specs import OptimizerSpec, SchedulerSpec, optimizer_spec, scheduler_spec
 from glm45v_fsdp.config import (
     Config,
@@ -337,9 +337,11 @@ class Translation:
     dp_world_size: int = 1
     steps_per_print: float = sections.DEFAULT_STEPS_PER_PRINT  # a positive int, or math.inf (never)
 
+    ring_attention_size: int = 1  # the extension section's, which also takes ranks from data parallelism
+
     @property
     def sequence_parallel_size(self) -> int:
-        return self.world_size // self.dp_world_size
+        return self.world_size // (self.dp_world_size * self.ring_attention_size)
 
     def apply(self, base: Config, extra: list[str] | tuple[str, ...] = ()) -> Config:
         """`base` with the overrides (then `extra` ones) applied, validated (layout included) for this world size."""
@@ -405,7 +407,8 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
     report = Report()
     sections.check_top_level(raw, report)
     sp = sections.sequence_parallel(raw, world_size, report)
-    dp = world_size // sp
+    ring = ring_attention_size(raw, world_size, sp)
+    dp = world_size // (sp * ring)
     ds, filled = resolve_auto(raw, base, dp)
     batch = resolve_batch(ds, dp)
     if sp > 1:
@@ -455,6 +458,7 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
         ds_config=ds,
         world_size=world_size,
         dp_world_size=dp,
+        ring_attention_size=ring,
         steps_per_print=steps_per_print,
     )
 

@@ -31,6 +31,7 @@ from torch.utils.data import DistributedSampler, IterableDataset
 from ds_compat.comm import device_layer, get_local_rank
 from ds_compat.config import Translation, translate
 from ds_compat.dataloader import DeepSpeedDataLoader
+from ds_compat.ds_keys import EXTENSION_KEY
 from ds_compat.glm_door import (
     check_autoep_section,
     forward_replaced,
@@ -234,9 +235,10 @@ class DeepSpeedEngine(nn.Module):
         self.device = self.device_layer.device(self.local_rank)
         self.translation: Translation = translate(config, self.world_size)
         self.glm45v = is_glm45v(model)  # GLM-4.5V runs on the plan registry; any other module on the generic path
-        if self.translation.sequence_parallel_size > 1 and not self.glm45v:
+        split = next(((key, size) for key, size in self._context_parallel_keys() if size > 1 and not self.glm45v), None)
+        if split is not None:
             raise UserError(
-                f"DeepSpeed config key 'sequence_parallel_size' = {self.translation.sequence_parallel_size} is not "
+                f"DeepSpeed config key '{split[0]}' = {split[1]} is not "
                 f"supported for a {type(model).__name__} by the engine API: splitting the sequence needs the "
                 "model's own sequence-parallel attention (DeepSpeed takes it through mpu / mesh_param, which this "
                 "backend does not accept), which this backend has for GLM-4.5V (transformers' "
@@ -355,6 +357,13 @@ class DeepSpeedEngine(nn.Module):
     # ------------------------------------------------------------------------------------------------------
     # Setup
     # ------------------------------------------------------------------------------------------------------
+    def _context_parallel_keys(self) -> list[tuple[str, int]]:
+        """The ds_config keys that split sequences, with their sizes."""
+        return [
+            ("sequence_parallel_size", self.translation.sequence_parallel_size),
+            (f"{EXTENSION_KEY}.parallel.ring_attention_size", self.translation.ring_attention_size),
+        ]
+
     def _sharding(self) -> tuple:
         """What an engine fixed in place when it sharded a model; a later engine on the same model must agree."""
         ranks = tuple(self.meshes.dense_shard.mesh.flatten().tolist())

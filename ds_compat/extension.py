@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds_compat._common import Report, as_section
+from ds_compat._common import Report, as_int, as_section, key_error
 from ds_compat.ds_keys import EXTENSION_KEY
 from glm45v_fsdp.config import Config, config_from_dict, deep_merge, parse_override_value, to_dict
 from glm45v_fsdp.errors import ConfigError
@@ -50,6 +50,25 @@ def _leaves(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
         else:
             items.append((path, value))
     return items
+
+
+def ring_attention_size(ds: dict, world_size: int, sequence_parallel_size: int) -> int:
+    """The extension's Ring size (1 when unset), which takes ranks from data parallelism as sequence_parallel_size
+    does: it must divide world size / sequence_parallel_size. Read before the batch arithmetic needs the
+    data-parallel size; the rest of the section is validated by map_extension."""
+    parallel = as_section(EXTENSION_KEY, ds.get(EXTENSION_KEY) or {}).get("parallel") or {}
+    ring = parallel.get("ring_attention_size", 1) if isinstance(parallel, dict) else 1
+    path = f"{EXTENSION_KEY}.parallel.ring_attention_size"
+    ring = as_int(path, ring, minimum=1)
+    ranks = world_size // sequence_parallel_size
+    if ranks % ring:
+        raise key_error(
+            path,
+            ring,
+            f"does not divide world size / sequence_parallel_size = {world_size} / {sequence_parallel_size}",
+            f"Choose a divisor of {ranks}; the data-parallel size is world size / (sequence_parallel_size x Ring).",
+        )
+    return ring
 
 
 def map_extension(ds: dict, report: Report) -> None:

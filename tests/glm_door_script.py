@@ -108,6 +108,7 @@ def groups_seen(engine) -> dict:
         "cp_ranks": dist.get_process_group_ranks(engine.meshes.cp.get_group()),
         "dp_size": groups._get_data_parallel_world_size(),
         "engine_dp_size": engine.dp_world_size,
+        "train_batch_size": engine.train_batch_size(),
     }
     if engine.meshes.dims.ep > 1:
         name = groups._get_max_expert_size_name()

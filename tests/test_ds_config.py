@@ -831,6 +831,23 @@ def test_fp16_maps_to_fp16_compute_and_deepspeeds_loss_scaler():
         translate({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale_window": 0}}, 1)
 
 
+def test_extension_ring_size_takes_ranks_from_data_parallelism():
+    """Ring from the extension section splits sequences as sequence_parallel_size does: the batch arithmetic's
+    data-parallel size is world / (Ulysses x Ring)."""
+    ring = {"glm45v_fsdp": {"parallel": {"ring_attention_size": 2}}}
+    translation = translate({"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2, **ring}, 8)
+    assert translation.dp_world_size == 2 and translation.batch.train_batch_size == 4
+    assert (translation.sequence_parallel_size, translation.ring_attention_size) == (2, 2)
+    config = translation.apply(Config())
+    assert (config.parallel.ulysses_parallel_size, config.parallel.ring_attention_size) == (2, 2)
+    with pytest.raises(UserError, match="'glm45v_fsdp.parallel.ring_attention_size' = 2 does not divide world size"):
+        translate({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2, **ring}, 2)
+    with pytest.raises(UserError, match="train_batch_size"):  # 8 is not micro 2 x accumulation x dp 2
+        translate(
+            {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, **ring}, 4
+        )
+
+
 def test_sequence_parallel_size_maps_to_ulysses_and_must_divide():
     with pytest.raises(UserError, match="'sequence_parallel_size' = 3 does not divide the world size 4"):
         translate({"train_batch_size": 8, "sequence_parallel_size": 3}, 4)

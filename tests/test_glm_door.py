@@ -190,6 +190,7 @@ def test_api_script_context_parallel_equals_cp1_and_the_trainer_door(name, cp4, 
     groups = result[f"{name}_groups"]
     assert groups["sp_size"] == 2 and groups["sp_ranks"] == groups["cp_ranks"]
     assert groups["dp_size"] == groups["engine_dp_size"] == 2
+    assert groups["train_batch_size"] == 2 * 2  # micro batch 2 x 2 data-parallel ranks (Ring takes ranks too)
     if name.endswith("ep2"):
         assert result[f"{name}_plans"]["expert_parallel"] > 0
         assert groups["ep_name"] == "ep_size_2" and groups["ep_ranks"] == groups["engine_ep_ranks"]
