@@ -354,15 +354,20 @@ def add_parser(sub: Any) -> None:
         help="the real DeepSpeed vs ds_compat on one DeepSpeed-API script (transformers' tiny GLM-4.5V)",
         description="DeepSpeed and ds_compat runs interleaved per ZeRO stage and dtype.",
     )
-    parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--zero", default="1,2,3", help="ZeRO stages, comma-separated")
     parser.add_argument("--dtype", default="fp32", help="fp32 and/or bf16, comma-separated")
+    add_run_arguments(parser, Path("output/bench/deepspeed"))
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, out: Path) -> None:
+    """The options of the interleaved worker / trainer runs (bench deepspeed, bench door)."""
+    parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of ms/step")
     parser.add_argument("--micro", type=int, default=2, help="micro batch per rank")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--profile", action="store_true", help="torch.profiler's top ops of steps 6-10")
-    parser.add_argument("--out", type=Path, default=Path("output/bench/deepspeed"))
+    parser.add_argument("--profile", action="store_true", help="torch.profiler's top ops of steps 6-10 (the script)")
+    parser.add_argument("--out", type=Path, default=out)
     parser.add_argument("--run-timeout", type=float, default=None)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
 

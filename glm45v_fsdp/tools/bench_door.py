@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_deepspeed import initial_weights, run_trainer, run_worker, runner
+from glm45v_fsdp.tools.bench_deepspeed import add_run_arguments, initial_weights, run_trainer, run_worker, runner
 from glm45v_fsdp.tools.bench_runner import errors, md_table, saving_pct, write_report
 from glm45v_fsdp.tools.chart import bar_chart
 
@@ -173,18 +173,10 @@ def add_parser(sub: Any) -> None:
         help="the DeepSpeed engine door on GLM-4.5V beside the trainer door: chunked-loss memory, EP step time",
         description="Engine door (DeepSpeed-API script) and trainer door (--deepspeed), interleaved per case.",
     )
-    parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--zero", type=int, default=3, choices=(1, 2, 3))
     parser.add_argument("--ep", type=int, default=2, help="autoep_size of the ep case")
     parser.add_argument("--logits-budget-mib", type=float, default=0.25, help="the dynamic chunk loss's budget")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5, help="first steps left out of ms/step")
-    parser.add_argument("--micro", type=int, default=2, help="micro batch per rank")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--profile", action="store_true", help="torch.profiler's top ops of steps 6-10 (engine)")
-    parser.add_argument("--out", type=Path, default=Path("output/bench/door"))
-    parser.add_argument("--run-timeout", type=float, default=None)
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    add_run_arguments(parser, Path("output/bench/door"))
 
 
 def main_door(args: argparse.Namespace, argv: list[str]) -> int:
