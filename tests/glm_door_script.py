@@ -57,7 +57,7 @@ ON = {
 }
 
 # Context parallelism, each sequence split over 2 ranks: on 4 ranks these are 2 data-parallel groups, the samples of
-# each step those of "off" on 2 ranks. Ring and hybrid sizes come from the extension section.
+# each step those of "off" on 2 ranks. Ring sizes come from the extension section.
 CP_RUNS = {
     "ulysses2": {**copy.deepcopy(OFF), "sequence_parallel_size": 2},
     "ring2": {**copy.deepcopy(OFF), "glm45v_fsdp": {"parallel": {"ring_attention_size": 2}}},
@@ -65,6 +65,12 @@ CP_RUNS = {
         **copy.deepcopy(OFF),
         "sequence_parallel_size": 2,
         "expert_parallel": {"enabled": True, "autoep_size": 2},
+    },
+    # Ulysses 2 x Ring 2: on 4 ranks one data-parallel rank, the samples of "off" on 1 rank
+    "hybrid": {
+        **copy.deepcopy(OFF),
+        "sequence_parallel_size": 2,
+        "glm45v_fsdp": {"parallel": {"ring_attention_size": 2}},
     },
 }
 

@@ -165,16 +165,20 @@ def cp4(tmp_path_factory, hf_dir) -> dict:
     sys.path.insert(0, str(REPO / "tests"))
     from glm_door_script import CP_RUNS
 
-    assert tuple(CP_RUNS) == CP_NAMES
-    runs = ",".join(CP_NAMES)
+    assert tuple(CP_RUNS) == (*CP_NAMES, "hybrid")
+    runs = ",".join(CP_RUNS)
     log = launch(API_SCRIPT, 4, root / "door", "--hf_dir", str(hf_dir), "--steps", str(STEPS), "--runs", runs)
+    launch(API_SCRIPT, 1, root / "one", "--hf_dir", str(hf_dir), "--steps", str(STEPS), "--runs", "off")
     freeze = "model.freeze=[model.visual]"  # the script freezes the vision tower
     reference, reference_log = trainer_door(root / "trainer", CP_RUNS["ulysses2"], hf_dir, 4, freeze)
+    hybrid, _ = trainer_door(root / "trainer_hybrid", CP_RUNS["hybrid"], hf_dir, 4, freeze)
     return {
         "log": log,
         "result": json.loads((root / "door" / "result.json").read_text()),
+        "one_rank": json.loads((root / "one" / "result.json").read_text()),
         "ref": reference,
         "ref_log": reference_log,
+        "ref_hybrid": hybrid,
     }
 
 
@@ -194,6 +198,16 @@ def test_api_script_context_parallel_equals_cp1_and_the_trainer_door(name, cp4, 
     if name.endswith("ep2"):
         assert result[f"{name}_plans"]["expert_parallel"] > 0
         assert groups["ep_name"] == "ep_size_2" and groups["ep_ranks"] == groups["engine_ep_ranks"]
+
+
+def test_api_script_hybrid_context_parallel_equals_cp1_and_the_trainer_door(cp4):
+    """Ulysses 2 x Ring 2 on 4 ranks: one data-parallel rank, so the reference is the script on 1 rank."""
+    result = cp4["result"]
+    assert mean_relative_error(result["hybrid"], cp4["one_rank"]["off"], STEPS) <= LIMIT
+    assert mean_relative_error(result["hybrid"], cp4["ref_hybrid"], STEPS) <= LIMIT
+    groups = result["hybrid_groups"]
+    assert groups["sp_size"] == 4 and groups["sp_ranks"] == groups["cp_ranks"] == [0, 1, 2, 3]
+    assert groups["dp_size"] == groups["engine_dp_size"] == 1 and groups["train_batch_size"] == 2
 
 
 def hf_script_run(root: Path, script: Path, hf_dir: Path) -> dict:
