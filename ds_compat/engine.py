@@ -235,8 +235,8 @@ class DeepSpeedEngine(nn.Module):
         self.device = self.device_layer.device(self.local_rank)
         self.translation: Translation = translate(config, self.world_size)
         self.glm45v = is_glm45v(model)  # GLM-4.5V runs on the plan registry; any other module on the generic path
-        split = next(((key, size) for key, size in self._context_parallel_keys() if size > 1 and not self.glm45v), None)
-        if split is not None:
+        split = next(((key, size) for key, size in self._context_parallel_keys() if size > 1), None)
+        if split is not None and not self.glm45v:
             raise UserError(
                 f"DeepSpeed config key '{split[0]}' = {split[1]} is not "
                 f"supported for a {type(model).__name__} by the engine API: splitting the sequence needs the "
