@@ -30,6 +30,9 @@ from glm45v_fsdp.log import get_logger
 
 EXIT_PEER_FAILED = 4
 PEER_TIMEOUT_S = 30.0  # the default silence after which rank 0 declares a rank dead
+# How long `finish` waits for a thread inside a store call: a script that returns (the engine API) ends with the
+# interpreter's teardown, and a daemon thread still inside the store's C++ client then can hang or abort the rank.
+FINISH_JOIN_S = 5.0
 
 
 class Watchdog:
@@ -74,9 +77,13 @@ class Watchdog:
         self._armed.clear()
 
     def finish(self) -> None:
-        """A normal end: rank 0 stops expecting heartbeats from this rank, and the thread stops."""
+        """A normal end: the threads stop (joined, so none is inside a store call when the interpreter tears the
+        store and the process group down), then rank 0 stops expecting heartbeats from this rank."""
         self.disarm()
         self._stop.set()
+        for thread in (self._thread, self._guard):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=self.poll_s + FINISH_JOIN_S)
         try:
             self.store.set(self.done_keys[self.rank], "1")
         except Exception:
