@@ -38,8 +38,6 @@ RENAMED = {
 }
 # deepspeed modules this backend deliberately does not provide, with the way out.
 REFUSED = {
-    "deepspeed.runtime.sequence_parallel": "sequence parallelism (Ulysses SP / ALST) through DeepSpeed's mpu; "
-    "GLM-4.5V trains with Ulysses and Ring context parallelism through `python -m glm45v_fsdp.train --deepspeed`",
     "deepspeed.inference": "DeepSpeed inference kernels",
     "deepspeed.moe": "DeepSpeed-MoE layers; GLM-4.5V's experts train with this backend's expert parallelism",
     "deepspeed.pipe": "pipeline parallelism",

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.data import DistributedSampler, IterableDataset
 
+from ds_compat.alst import sequence_average, with_alst_mpu
 from ds_compat.comm import device_layer, get_local_rank
 from ds_compat.config import Translation, translate
 from ds_compat.dataloader import DeepSpeedDataLoader
@@ -220,11 +221,6 @@ class DeepSpeedEngine(nn.Module):
         config: dict | str | None = None,
     ) -> None:
         super().__init__()
-        if mpu is not None:
-            raise UserError(
-                "initialize(mpu=...) (Megatron-style model parallelism) is not supported by the FSDP2 backend: it "
-                "shards every parameter over the data-parallel ranks itself. Remove mpu, or run on DeepSpeed."
-            )
         self.log = get_logger()
         if not self.log.handlers:
             setup_logging(dist.get_rank())
@@ -233,16 +229,17 @@ class DeepSpeedEngine(nn.Module):
         self.local_rank = get_local_rank()
         self.device_layer = device_layer()
         self.device = self.device_layer.device(self.local_rank)
-        self.translation: Translation = translate(config, self.world_size)
+        self.alst = mpu is not None  # DeepSpeed's ALST: the adapter slices the targets, the loss is the slice's
+        self.translation: Translation = translate(with_alst_mpu(config, mpu) if self.alst else config, self.world_size)
         self.glm45v = is_glm45v(model)  # GLM-4.5V runs on the plan registry; any other module on the generic path
         split = next(((key, size) for key, size in self._context_parallel_keys() if size > 1), None)
         if split is not None and not self.glm45v:
             raise UserError(
                 f"DeepSpeed config key '{split[0]}' = {split[1]} is not "
                 f"supported for a {type(model).__name__} by the engine API: splitting the sequence needs the "
-                "model's own sequence-parallel attention (DeepSpeed takes it through mpu / mesh_param, which this "
-                "backend does not accept), which this backend has for GLM-4.5V (transformers' "
-                "Glm4vMoeForConditionalGeneration) only. Remove the key, or pass a GLM-4.5V."
+                "model's own sequence-parallel attention, which this backend has for GLM-4.5V (transformers' "
+                "Glm4vMoeForConditionalGeneration) only. Remove the key (and parallelism_config's sp_size), or pass "
+                "a GLM-4.5V."
             )
         expert_parallel = next(
             (item for item in self.translation.overrides if item.startswith("parallel.expert_parallel_size=")), None
@@ -638,14 +635,16 @@ class DeepSpeedEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """loss / gradient_accumulation_steps (returned, as DeepSpeed), backpropagated divided by the data-parallel
-        size too: the FSDP2 core sums gradients over ranks, DeepSpeed averages them."""
+        size too: the FSDP2 core sums gradients over ranks, DeepSpeed averages them (under DeepSpeed's ALST mpu at
+        ZeRO-3 also over the sequence-parallel group, as DeepSpeed 0.19.8: ds_compat/alst.py)."""
         assert self.optimizer is not None, "must provide optimizer during init in order to use backward"
         assert isinstance(loss, torch.Tensor) and loss.numel() == 1, (
             "loss must be a scalar tensor. If you need to pass output gradients, backward() of output tensors"
         )
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         self.step_runner.before_backward(last_of_step=self.is_gradient_accumulation_boundary())
-        (scaled * (self.step_runner.loss_scale / self.dp_world_size)).backward(retain_graph=retain_graph)
+        divisor = self.dp_world_size * (sequence_average(self.translation.zero_stage) if self.alst else 1)
+        (scaled * (self.step_runner.loss_scale / divisor)).backward(retain_graph=retain_graph)
         return scaled
 
     def zero_grad(self) -> None:

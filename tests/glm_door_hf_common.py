@@ -107,7 +107,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true", help="continue from --out/checkpoint-3 (resumed.json)")
     parser.add_argument("--features_off", action="store_true", help="ZeRO 3 alone, no gradient checkpointing")
+    parser.add_argument(
+        "--sp", type=int, default=1, help="parallelism_config sp_size (DeepSpeed's ALST, sp_backend='deepspeed')"
+    )
     parser.add_argument("--local_rank", type=int, default=-1)
+
+
+def parallelism_config(sp: int, world: int):
+    """TrainingArguments' parallelism_config for DeepSpeed's ALST at `sp` (None at 1): the data-parallel groups
+    are the rest of the world, as accelerate's guide sets them."""
+    if sp == 1:
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")  # must name the model's, as DeepSpeed's
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=sp, dp_shard_size=world // sp, sp_handler=handler)
 
 
 def finish(trainer, args: argparse.Namespace, result: dict) -> None:

@@ -17,7 +17,15 @@ import os
 
 import torch
 from accelerate import PartialState
-from glm_door_hf_common import StepLosses, add_arguments, collate, finish, make_ds_config, training_arguments
+from glm_door_hf_common import (
+    StepLosses,
+    add_arguments,
+    collate,
+    finish,
+    make_ds_config,
+    parallelism_config,
+    training_arguments,
+)
 from transformers import Glm4vMoeForConditionalGeneration, Trainer, TrainingArguments
 
 from glm45v_fsdp.builders import build_training_data
@@ -36,16 +44,23 @@ class RecordingTrainer(StepLosses, Trainer):
 
 # CPU only: a state made for DeepSpeed over gloo first (accelerate picks no backend without an accelerator).
 os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-PartialState(backend="gloo")
-training = TrainingArguments(output_dir=args.out, deepspeed=ds_config, **training_arguments(not args.features_off))
+state = PartialState(backend="gloo")
+training = TrainingArguments(
+    output_dir=args.out,
+    deepspeed=ds_config,
+    parallelism_config=parallelism_config(args.sp, state.num_processes),
+    **training_arguments(not args.features_off),
+)
 model = Glm4vMoeForConditionalGeneration.from_pretrained(args.hf_dir, dtype=torch.float32)
 data = build_training_data(load_config(None, ["data.shuffle=false"]), model.config)
 trainer = RecordingTrainer(model=model, args=training, train_dataset=data.dataset, data_collator=collate)
 trainer.train(resume_from_checkpoint=os.path.join(args.out, "checkpoint-3") if args.resume else None)
 result = {
     "losses": trainer.losses,
+    "grad_norms": [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry],
     "applied_plans": dict(model.applied_plans),
     "transformers_checkpointing": model.is_activation_checkpointing,
     "backend": type(trainer.deepspeed).__module__,
+    "loader": type(trainer.callback_handler.train_dataloader).__name__,
 }
 finish(trainer, args, result)

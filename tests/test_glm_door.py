@@ -266,6 +266,72 @@ def test_hf_trainer_save_model_reloads_and_resume_continues(trainer_run):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# DeepSpeed's ALST names: parallelism_config (HF Trainer) and ParallelismConfig (accelerate) with sp_backend="deepspeed"
+# ----------------------------------------------------------------------------------------------------------------
+ACCELERATE_SCRIPT = REPO / "tests" / "glm_accelerate_sp_script.py"
+ACCELERATE_RUNS = {"cp1_ep": (2, "--sp", "1", "--ep"), "sp2_ep": (4, "--sp", "2", "--ep"), "sp2": (4, "--sp", "2")}
+
+
+@pytest.fixture(scope="module")
+def alst4(tmp_path_factory, hf_dir) -> dict:
+    """sp_size 2 on 4 ranks (2 data-parallel groups: each step trains the samples of the 2-rank CP1 runs): the HF
+    Trainer script with its features (EP 2, chunked loss, recompute) and with them off (no EP), the accelerate loop
+    with and without EP 2 and its CP1 run on 2 ranks, and the trainer door's Ulysses 2 run on the ds_config the HF
+    Trainer resolved (sequence_parallel_size 2 from the ALST mpu)."""
+    root = tmp_path_factory.mktemp("alst4")
+    logs = {"hf": launch(TRAINER_SCRIPT, 4, root / "hf", "--hf_dir", str(hf_dir), "--sp", "2")}
+    launch(TRAINER_SCRIPT, 4, root / "hf_off", "--hf_dir", str(hf_dir), "--sp", "2", "--features_off")
+    for name, (nproc, *args) in ACCELERATE_RUNS.items():
+        logs[name] = launch(ACCELERATE_SCRIPT, nproc, root / name, "--hf_dir", str(hf_dir), *args)
+    ds_config = json.loads((root / "hf" / "ds_config.json").read_text())
+    reference, _ = trainer_door(root / "trainer", ds_config, hf_dir, 4, "features.recompute.enabled=true")
+    names = ["hf", "hf_off", *ACCELERATE_RUNS]
+    results = {name: json.loads((root / name / "result.json").read_text()) for name in names}
+    return {"logs": logs, "ds_config": ds_config, "ref": reference, **results}
+
+
+def test_hf_trainer_parallelism_config_runs_on_our_context_parallelism(alst4, trainer_run):
+    """TrainingArguments(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)): the Trainer's
+    register_with_transformers, UlyssesSPDataLoaderAdapter and deepspeed_sp_compute_loss, on the Ulysses plan."""
+    result, off = alst4["hf"], alst4["hf_off"]
+    assert result["backend"] == "ds_compat.engine" and result["loader"] == "UlyssesSPDataLoaderAdapter"
+    assert alst4["ds_config"]["sequence_parallel_size"] == 2  # from the mpu; the ds_config did not set it
+    assert result["applied_plans"]["context_parallel"] > 0 and result["applied_plans"]["expert_parallel"] == 3
+    assert off["applied_plans"]["context_parallel"] > 0 and not off["applied_plans"].get("expert_parallel")
+    for run, cp1 in ((result, trainer_run["result"]), (off, trainer_run["off"])):  # CP1 with and without EP 2
+        assert mean_relative_error(run["losses"], cp1["losses"], STEPS) <= LIMIT
+        # Adam hardly sees a gradient's scale (the reduction over the group at ZeRO-3): the norms do
+        assert mean_relative_error(run["grad_norms"], cp1["grad_norms"], STEPS) <= LIMIT
+    for losses in (result["losses"], off["losses"]):
+        assert mean_relative_error(losses, alst4["ref"], STEPS) <= LIMIT  # the trainer door's Ulysses 2
+    assert "ALST register_with_transformers: GLM-4.5V, sequence_parallel_size 2" in alst4["logs"]["hf"]
+
+
+def test_accelerate_parallelism_config_runs_on_our_context_parallelism(alst4):
+    """accelerate's own loop with ParallelismConfig(sp_backend="deepspeed", sp_size=2) and the guide's loss (each
+    rank's slice loss, weighted over the group by a differentiable all_gather; ZeRO-3 averages over the group as
+    DeepSpeed 0.19.8 does)."""
+    cp1 = alst4["cp1_ep"]
+    for name in ("sp2_ep", "sp2"):
+        result = alst4[name]
+        assert result["loader"] == "UlyssesSPDataLoaderAdapter" and result["sp_size"] == 2
+        # len(dl) x sp as DeepSpeed's adapter: the loader over 4 ranks is half the CP1 one's over 2
+        assert result["loader_length"] == cp1["loader_length"]
+        assert result["train_batch_size"] == cp1["train_batch_size"] == 4  # micro 1 x accumulation 2 x 2 groups
+        assert result["applied_plans"]["context_parallel"] > 0
+        assert mean_relative_error(result["losses"], cp1["losses"], STEPS) <= LIMIT
+        assert mean_relative_error(result["grad_norms"], cp1["grad_norms"], STEPS) <= LIMIT
+        assert mean_relative_error(result["losses"], alst4["ref"], STEPS) <= LIMIT
+        # the batch the script sees: inputs whole, labels replaced by this rank's slice of shift_labels
+        shapes = result["shapes"][0]
+        assert "labels" not in shapes and "position_ids" not in shapes
+        length = shapes["input_ids"][1]
+        assert shapes["shift_labels"] == [1, (length + length % 2) // 2]
+    assert alst4["sp2_ep"]["applied_plans"]["expert_parallel"] == 3
+    assert "expert_parallel" not in alst4["sp2"]["applied_plans"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # In process
 # ----------------------------------------------------------------------------------------------------------------
 

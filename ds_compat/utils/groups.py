@@ -4,7 +4,8 @@ The engine API runs data parallelism (ZeRO stages as FSDP2 layouts) on any modul
 parallelism (`sequence_parallel_size`, Ring from the extension section) and expert parallelism
 (`expert_parallel.autoep_size`); no tensor or pipeline parallelism. The answers are DeepSpeed's for that layout: the
 data-parallel group is the engine's data-parallel mesh (the whole world before `deepspeed.initialize`); the
-sequence-parallel group is the engine's context-parallel mesh (Ulysses x Ring), absent at size 1 (KeyError, as
+sequence-parallel group is the engine's context-parallel mesh (Ulysses x Ring; before `deepspeed.initialize`, the
+groups of DeepSpeed's ALST mpu when `register_with_transformers` made them), absent at size 1 (KeyError, as
 DeepSpeed); sequence x data parallel is every rank; the expert-parallel groups are named as DeepSpeed names them
 (`ep_size_N`: the EP mesh, with the expert-data-parallel mesh beside it), none without EP; the model-parallel size is
 1, and asking for a group that does not exist is DeepSpeed's AssertionError ("... is not initialized"). Megatron's
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch.distributed as dist
 
 from ds_compat._common import DeepSpeedAssertion
+from ds_compat.runtime.sequence_parallel import parallel_state_sp
 
 if TYPE_CHECKING:
     from glm45v_fsdp.runtime.mesh import ParallelMeshes
@@ -82,7 +84,9 @@ def _get_broadcast_src_rank() -> int:
 
 
 def _context_parallel_size() -> int:
-    return 1 if _meshes is None else _meshes.dims.cp
+    if _meshes is None:  # before deepspeed.initialize: the ALST mpu's groups, if register_with_transformers made them
+        return parallel_state_sp.get_sequence_parallel_world_size() if parallel_state_sp.is_initialized() else 1
+    return _meshes.dims.cp
 
 
 def _get_sequence_parallel_world_size() -> int:
@@ -91,13 +95,13 @@ def _get_sequence_parallel_world_size() -> int:
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0 if _context_parallel_size() == 1 else _meshes.cp.get_local_rank()
+    return 0 if _context_parallel_size() == 1 else dist.get_rank(group=_get_sequence_parallel_group())
 
 
 def _get_sequence_parallel_group() -> dist.ProcessGroup:
     if _context_parallel_size() == 1:
         raise KeyError(f"No sequence parallel group found: this engine splits no sequence. {_LAYOUT}.")
-    return _meshes.cp.get_group()
+    return parallel_state_sp.get_sequence_parallel_group() if _meshes is None else _meshes.cp.get_group()
 
 
 def _get_sequence_data_parallel_group() -> dist.ProcessGroup:

@@ -13,7 +13,9 @@ Under context parallelism (the CP plan installs a split `sequence_layout`) every
 whole micro batch and the forward splits it itself (padding to a multiple of the CP size, the text, the mRoPE
 positions, the images by image). The returned loss has the value a single rank computes for the whole micro batch
 (the CE sums of the group's parts added up) and the gradient of this rank's part only, so the gradients FSDP2 sums
-over the ranks count each token once.
+over the ranks count each token once. Targets already sliced for this rank (`shift_labels` shorter than the sequence:
+DeepSpeed's ALST loader adapter, ds_compat/runtime/sequence_parallel/ulysses_sp.py) give DeepSpeed's loss instead:
+the token mean over this rank's slice, value and gradient; the inputs are still split here, once.
 """
 
 from __future__ import annotations
@@ -103,11 +105,17 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
             batch = layout.pad(batch)
             hidden = forward_hidden(self, batch, layout.encode_images(self, batch))
             return MultimodalMoeCausalLMOutputWithPast(logits=self.lm_head(hidden).float())
-        batch.update(labels=labels, shift_labels=shift_labels)
-        loss_sum, count, logits = model_loss_sum_and_logits(self, batch)
-        if self.sequence_layout.size > 1:
-            loss_sum = _whole_sequence_value(loss_sum, self.sequence_layout)
+        layout = self.sequence_layout
+        local_targets = _sliced_targets(shift_labels, input_ids, layout)
+        if local_targets is not None:  # DeepSpeed's ALST adapter sliced them: this slice's loss, as DeepSpeed's
+            loss_sum, count, _ = model_loss_sum_and_logits(self, batch, local_targets)
             logits = None
+        else:
+            batch.update(labels=labels, shift_labels=shift_labels)
+            loss_sum, count, logits = model_loss_sum_and_logits(self, batch)
+            if layout.size > 1:
+                loss_sum = _whole_sequence_value(loss_sum, layout)
+                logits = None
         divisor = count if num_items_in_batch is None else num_items_in_batch
         if torch.is_tensor(divisor):
             divisor = divisor.to(loss_sum.device)
@@ -119,6 +127,22 @@ def _whole_sequence_value(part: torch.Tensor, layout: Any) -> torch.Tensor:
     this rank's part alone."""
     whole = layout.reduce(part.detach().clone())
     return part + (whole - part.detach())
+
+
+def _sliced_targets(shift_labels: torch.Tensor | None, input_ids: torch.Tensor, layout: Any) -> torch.Tensor | None:
+    """`shift_labels` when they are already this rank's slice (shorter than the sequence: DeepSpeed's ALST loader
+    adapter slices the targets and leaves the inputs whole), else None; a length that is neither is an error."""
+    if shift_labels is None or layout.size == 1 or shift_labels.shape[-1] == input_ids.shape[-1]:
+        return None
+    local = layout.local_length(input_ids.shape[-1])
+    if shift_labels.shape[-1] != local:
+        raise UserError(
+            f"The GLM-4.5V model was called with shift_labels of length {shift_labels.shape[-1]} for input_ids of "
+            f"length {input_ids.shape[-1]} under context parallelism ({layout.describe()}): they must be the whole "
+            f"sequence's ({input_ids.shape[-1]}) or this rank's slice ({local}, as DeepSpeed's "
+            "UlyssesSPDataLoaderAdapter makes them). Pass the whole labels, or the adapter's batches unchanged."
+        )
+    return shift_labels
 
 
 def _check_kwargs(kwargs: dict[str, Any]) -> None:

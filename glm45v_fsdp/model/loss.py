@@ -82,6 +82,10 @@ class WholeSequence:
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         return tensor
 
+    def local_length(self, length: int) -> int:
+        """How many positions of a `length`-long sequence this rank holds (after the padding)."""
+        return length
+
     def unshard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         return tensor
 
@@ -135,14 +139,22 @@ def model_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.T
     return loss_sum, count
 
 
-def model_loss_sum_and_logits(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def model_loss_sum_and_logits(
+    model: nn.Module, batch: dict, local_targets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """model_loss_sum and this rank's fp32 logits (None under the chunked loss). `batch["shift_labels"]`, when
-    given, are the targets already shifted (as transformers accepts them); else `labels` are shifted here."""
+    given, are the targets already shifted (as transformers accepts them); else `labels` are shifted here.
+    `local_targets`: this rank's slice of the shifted targets, given already sliced (DeepSpeed's ALST loader adapter);
+    the count is then this slice's supervised tokens."""
     layout = model.sequence_layout
     batch = layout.pad(batch)
     hidden = forward_hidden(model, batch, layout.encode_images(model, batch))
-    targets = batch["shift_labels"] if batch.get("shift_labels") is not None else shift_labels(batch["labels"])
-    loss_sum, _, logits = lm_loss_sum_and_logits(hidden, model.lm_head, layout.shard(targets, dim=1))
+    if local_targets is None:
+        targets = batch["shift_labels"] if batch.get("shift_labels") is not None else shift_labels(batch["labels"])
+        local_targets = layout.shard(targets, dim=1)
+    else:
+        targets = local_targets
+    loss_sum, _, logits = lm_loss_sum_and_logits(hidden, model.lm_head, local_targets)
     return loss_sum, (targets != IGNORE_INDEX).sum(), logits
 
 

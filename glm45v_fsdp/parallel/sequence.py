@@ -103,12 +103,20 @@ class SplitSequence(WholeSequence):
         self.rank = rank
         self.pad_token_id = pad_token_id
 
+    @property
+    def multiple(self) -> int:
+        """Sequences are padded to a multiple of this."""
+        return self.size
+
     def pad(self, batch: dict) -> dict:
-        return pad_to_multiple(batch, self.size, self.pad_token_id)
+        return pad_to_multiple(batch, self.multiple, self.pad_token_id)
 
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         chunk = tensor.shape[dim] // self.size
         return tensor.narrow(dim, self.rank * chunk, chunk)
+
+    def local_length(self, length: int) -> int:
+        return (length + -length % self.multiple) // self.size
 
     def unshard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         return all_gather_single_autograd(tensor.contiguous(), gather_dim=dim, group=self.group)
@@ -155,8 +163,9 @@ class ZigzagSequence(SplitSequence):
         self.ring, self.ring_rank = ring, ring_rank
         self.ulysses, self.ulysses_rank = ulysses, ulysses_rank
 
-    def pad(self, batch: dict) -> dict:
-        return pad_to_multiple(batch, 2 * self.size, self.pad_token_id)
+    @property
+    def multiple(self) -> int:
+        return 2 * self.size
 
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         chunks = tensor.chunk(2 * self.ring, dim)
