@@ -290,6 +290,15 @@ class DeepSpeedEngine(nn.Module):
         given_groups = None if model_parameters is None else _param_groups(model_parameters)
         if self.glm45v:
             self._config.parallel.fsdp_plan = output_layer_in_root(model, self._config.parallel.fsdp_plan)
+            if forward_replaced(model) and split is not None and not self.alst:
+                raise UserError(
+                    f"DeepSpeed config key '{split[0]}' = {split[1]} with a GLM-4.5V whose forward was replaced on the "
+                    f"instance ({getattr(vars(model)['forward'], '__qualname__', 'a callable')}, e.g. TRL's fused LM "
+                    "head): that forward computes the loss itself from the backbone's output, which under context "
+                    "parallelism is this rank's slice of the sequence, against the whole sequence's labels. Use "
+                    "parallelism_config (ParallelismConfig(sp_backend='deepspeed', sp_size=N)), whose loader adapter "
+                    "hands each rank its slice of the targets, or remove the key."
+                )
             if forward_replaced(model) and not hasattr(model, SHARDED_AS):
                 self.log.info(
                     "ds_compat: the model's forward was replaced on the instance (%s): it computes its own loss, so "

@@ -27,7 +27,15 @@ import torch
 import trl.trainer.utils as trl_utils
 from accelerate import PartialState
 from datasets import Dataset
-from glm_door_hf_common import StepLosses, add_arguments, collate, finish, make_ds_config, training_arguments
+from glm_door_hf_common import (
+    StepLosses,
+    add_arguments,
+    collate,
+    finish,
+    make_ds_config,
+    parallelism_config,
+    training_arguments,
+)
 from torch.distributed.fsdp import FSDPModule
 from transformers import Glm4vMoeForConditionalGeneration
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -76,10 +84,11 @@ class RecordingSFTTrainer(StepLosses, SFTTrainer):
 
 # CPU only: a state made for DeepSpeed over gloo first (accelerate picks no backend without an accelerator).
 os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-PartialState(backend="gloo")
+state = PartialState(backend="gloo")
 training = SFTConfig(
     output_dir=args.out,
     deepspeed=ds_config,
+    parallelism_config=parallelism_config(args.sp, state.num_processes),
     **training_arguments(not args.features_off),
     bf16=False,
     dataset_kwargs={"skip_prepare_dataset": True},
@@ -97,6 +106,7 @@ trainer = RecordingSFTTrainer(
 trainer.train(resume_from_checkpoint=os.path.join(args.out, "checkpoint-3") if args.resume else None)
 result = {
     "losses": trainer.losses,
+    "grad_norms": [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry],
     "num_items_in_batch": trainer.num_items,
     "model_accepts_loss_kwargs": trainer.model_accepts_loss_kwargs,
     "aux_loss_enabled": trainer.aux_loss_enabled,

@@ -116,3 +116,30 @@ def test_tiled_fused_logits_loss_equals_the_untiled_loss_and_its_gradients():
     torch.testing.assert_close(mean, whole / 4)  # the mean of the 4 shards' sums, as DeepSpeed's
     with pytest.raises(ValueError, match="unknown reduction"):
         TiledFusedLogitsLoss.apply(loss_fn, head, x, y, None, 4, None, "max")
+
+
+def _replaced_forward_under_cp_worker(rank: int, port: int) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from transformers import Glm4vMoeForConditionalGeneration
+
+    import ds_compat as deepspeed
+    from glm45v_fsdp.config import ModelConfig
+    from glm45v_fsdp.model import load_hf_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = Glm4vMoeForConditionalGeneration(load_hf_config(ModelConfig()))
+    model.forward = lambda **batch: None  # a loss computed from the backbone, as TRL's fused LM head
+    config = {**BASE, "sequence_parallel_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(UserError, match="replaced on the instance .* Use parallelism_config"):
+        deepspeed.initialize(model=model, config=config)
+
+
+def test_a_replaced_forward_under_sequence_parallel_size_is_refused():
+    """TRL's fused LM head scores the backbone's output against the labels itself: under context parallelism without
+    the ALST adapter those labels are the whole sequence's while the output is a slice."""
+    from conftest import free_port, spawn
+
+    spawn(_replaced_forward_under_cp_worker, (free_port(),), nprocs=2)

@@ -18,6 +18,9 @@ head reads `lm_head.weight` without calling the module, so a unit of its own wou
 sharded DTensor's `full_tensor()`, whose backward leaves on each rank only its own gradient of its shard, reduced over
 no rank (losses off by 5.7e-4 from step 4). The door keeps lm_head in the root's unit when the script replaced the
 model's forward (ds_compat/glm_door.py output_layer_in_root).
+
+With SFTConfig(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)) on 4 ranks (DeepSpeed's ALST
+names, issue 41), with and without EP 2: the same losses and gradient norms as the 2-rank CP1 runs.
 """
 
 from __future__ import annotations
@@ -88,3 +91,29 @@ def test_trl_sft_with_auto_buckets_keeps_lm_head_in_the_root_unit_and_equals_the
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["lm_head_unit"] is False and result["applied_plans"]["fsdp"] > 1
     assert mean_relative_error(result["losses"], trl_run["ref"], steps=STEPS) <= LIMIT
+
+
+@pytest.fixture(scope="module")
+def trl_alst4(tmp_path_factory, hf_dir) -> dict:
+    """SFTConfig(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)) on 4 ranks (2 data-parallel
+    groups: each step trains the samples of the 2-rank CP1 run), with the features (EP 2) and without (no EP)."""
+    root = tmp_path_factory.mktemp("trl_alst4")
+    log = launch(TRL_SCRIPT, 4, root / "on", "--hf_dir", str(hf_dir), "--sp", "2")
+    launch(TRL_SCRIPT, 4, root / "off", "--hf_dir", str(hf_dir), "--sp", "2", "--features_off")
+    results = {name: json.loads((root / name / "result.json").read_text()) for name in ("on", "off")}
+    return {"log": log, **results}
+
+
+def test_trl_sft_parallelism_config_runs_on_our_context_parallelism(trl_alst4, trl_run):
+    """TRL's fused LM head calls the backbone itself: under the Ulysses plan the backbone returns this rank's slice of
+    the last hidden state (padded to the group's multiple), which TRL scores against the adapter's slice of
+    shift_labels; transformers' deepspeed_sp_compute_loss averages the slices' losses over the group."""
+    for name, cp1 in (("on", trl_run["result"]), ("off", trl_run["off"])):
+        result = trl_alst4[name]
+        assert result["fused_lm_head"] and result["applied_plans"]["context_parallel"] > 0
+        assert mean_relative_error(result["losses"], cp1["losses"], steps=STEPS) <= LIMIT
+        assert mean_relative_error(result["grad_norms"], cp1["grad_norms"], steps=STEPS) <= LIMIT
+        assert mean_relative_error(result["losses"], trl_run["ref"], steps=STEPS) <= LIMIT  # the trainer door
+    assert trl_alst4["on"]["applied_plans"]["expert_parallel"] == 3
+    assert not trl_alst4["off"]["applied_plans"].get("expert_parallel")
+    assert "ALST register_with_transformers: GLM-4.5V, sequence_parallel_size 2" in trl_alst4["log"]

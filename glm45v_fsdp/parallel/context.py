@@ -158,6 +158,7 @@ def _language_model_forward(
     """
     assert inputs_embeds is not None and position_ids is not None and position_ids.ndim == 3, "merged inputs expected"
     assert cache is None and not use_cache, "context parallelism trains without a KV cache"
+    inputs_embeds, attention_mask, position_ids = _pad_merged(layout, inputs_embeds, attention_mask, position_ids)
     if position_ids.shape[0] == 4:  # packed: row 0 holds per-sample text positions, from which the mask is built
         text_position_ids, position_ids = position_ids[0], position_ids[1:]
     else:
@@ -180,6 +181,21 @@ def _language_model_forward(
             hidden, position_embeddings=position_embeddings, attention_mask=mask, position_ids=position_ids, **kwargs
         )
     return MoeModelOutputWithPast(last_hidden_state=module.norm(hidden))
+
+
+def _pad_merged(
+    layout: SplitSequence, embeds: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The merged inputs right-padded to the layout's multiple when the caller did not pad the batch (a script that
+    calls the backbone itself, as TRL's fused LM head does): zero embeddings after every real token, attended to
+    (mask 1, as `pad_to_multiple`) and never supervised, so the real tokens' outputs are unchanged."""
+    extra = -embeds.shape[1] % layout.multiple
+    if extra == 0:
+        return embeds, attention_mask, position_ids
+    embeds = torch.nn.functional.pad(embeds, (0, 0, 0, extra))
+    if attention_mask is not None:
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, extra), value=1)
+    return embeds, attention_mask, torch.nn.functional.pad(position_ids, (0, extra))
 
 
 def check_context_parallel(hf_config: Any, ulysses: int, kernel: str, ring: int = 1) -> None:
