@@ -374,6 +374,8 @@ def test_door_bench_runs_both_doors_per_case_with_the_case_keys(tmp_path, monkey
     order, extras = [], {}
     engine_ms = {"full_logits": 50.0, "chunk_dynamic": 52.0, "ep": 60.0}
     peak_mib = {"full_logits": 20.0, "chunk_dynamic": 18.0, "ep": 19.0}
+    context_peak_mib = {"cp1": 100.0, "ulysses2": 52.0, "ring2": 61.0}
+    context = {}
 
     def argument(command, name):
         return next(arg.split("=", 1)[1] for arg in command if arg.startswith(f"--{name}="))
@@ -400,7 +402,14 @@ def test_door_bench_runs_both_doors_per_case_with_the_case_keys(tmp_path, monkey
             extras[directory.name] = extra
             (directory / "ds_config.json").write_text(json.dumps({"extra": extra}))
             return [], 1.0, 1.0
-        case = Path(argument(command, "out")).parent.name.split("_ds_compat_")[0]
+        run_dir = Path(argument(command, "out")).parent.name
+        if run_dir.startswith("context_"):  # the context-parallel rows: the engine door alone, a long sample
+            case = run_dir.removeprefix("context_")
+            context[case] = extra, [argument(command, name) for name in ("text-tokens", "cutoff-len", "micro")]
+            result = {"ms": [1.0] * 2, "losses": [2.0] * 2, "peak_bytes_max": context_peak_mib[case] * 2**20}
+            Path(argument(command, "out")).write_text(json.dumps(result))
+            return [], 1.0, 1.0
+        case = run_dir.split("_ds_compat_")[0]
         assert extra == extras[case] and argument(command, "zero") == "3"
         order.append((case, "ds_compat"))
         result = {"ms": [999.0] + [engine_ms[case]] * 3, "losses": [2.0] * 4, "peak_bytes_max": peak_mib[case] * 2**20}
@@ -425,4 +434,10 @@ def test_door_bench_runs_both_doors_per_case_with_the_case_keys(tmp_path, monkey
     assert saving["trainer"]["mib"] == pytest.approx(0.001 * 1024) and saving["trainer"]["pct"] == pytest.approx(10.0)
     assert "| ep | 60.0 · 50.0 | 1.200 (1.200, 1.200) |" in (tmp_path / "door.md").read_text()
     assert (tmp_path / "door.png").stat().st_size > 0
+    # the context-parallel rows: 8192-token samples, one per micro batch; a CP case passes at <= 0.6 x CP1's peak
+    assert context["ulysses2"][0]["sequence_parallel_size"] == 2 and "sequence_parallel_size" not in context["cp1"][0]
+    assert context["ring2"][0]["glm45v_fsdp"]["parallel"] == {"ring_attention_size": 2}
+    assert all(arguments == ["8192", "8192", "1"] for _, arguments in context.values())
+    verdicts = {r["case"]: (round(r["over_cp1"], 2), r["pass"]) for r in report["context_rows"]}
+    assert verdicts == {"cp1": (1.0, True), "ulysses2": (0.52, True), "ring2": (0.61, False)}
     assert bench.main(["door", "--ranks", "3", "--ep", "2", "--out", str(tmp_path)]) == 2

@@ -49,7 +49,16 @@ def workload_overrides(args: argparse.Namespace, world: int) -> list[str]:
         f"data.synthetic_image_size={args.image_size}",
         "data.synthetic_images_per_sample=1",
         f"data.synthetic_samples={(args.first_step + args.steps + 1) * args.micro * world}",
+        *long_sample_overrides(getattr(args, "cutoff_len", None)),
     ]
+
+
+def long_sample_overrides(cutoff_len: int | None) -> list[str]:
+    """Samples cut at `cutoff_len` tokens (None: the config's 1024), with rotary positions that reach that far."""
+    if not cutoff_len:
+        return []
+    text = "model.config_overrides.text_config"
+    return [f"data.cutoff_len={cutoff_len}", f"{text}.max_position_embeddings={max(4096, cutoff_len)}"]
 
 
 def schedule_arguments(args: argparse.Namespace) -> list[str]:
@@ -69,6 +78,8 @@ def worker_command(args: argparse.Namespace, backend: str, zero: int, dtype: str
     arguments = [f"--backend={backend}", f"--zero={zero}", f"--dtype={dtype}", f"--steps={args.steps}"]
     arguments += [f"--micro={args.micro}", f"--out={out}", f"--world-size={args.ranks}"]
     arguments += ["--profile"] if args.profile else []
+    for option in ("text_tokens", "text_layers", "cutoff_len"):  # a caller's workload size (bench door's CP rows)
+        arguments += [f"--{option.replace('_', '-')}={getattr(args, option)}"] if getattr(args, option, None) else []
     arguments += [*schedule_arguments(args), *extra_arguments(args)]
     if backend in ("bare", "alternate"):  # one process
         return [sys.executable, "-m", "glm45v_fsdp.tools.bench_deepspeed_worker", *arguments]

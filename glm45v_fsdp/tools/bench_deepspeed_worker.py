@@ -77,17 +77,26 @@ def build_model(args: argparse.Namespace, world: int):
     return config, hf_config, Glm4vMoeForConditionalGeneration(hf_config)
 
 
+def context_parallel_size(args: argparse.Namespace) -> int:
+    """The ranks that split one sequence (sequence_parallel_size x the extension's ring_attention_size)."""
+    config = ds_config(args)
+    ring = config.get("glm45v_fsdp", {}).get("parallel", {}).get("ring_attention_size", 1)
+    return config.get("sequence_parallel_size", 1) * ring
+
+
 def build_model_and_batches(args: argparse.Namespace, rank: int, world: int):
-    """The model and this rank's batches: step s takes samples [(s * world + rank) * micro, + micro), in order, as
-    the trainer's sampler does without shuffling (rank-major chunks of the global batch)."""
+    """The model and this rank's batches: step s takes samples [(s * dp + dp_rank) * micro, + micro), in order, as
+    the trainer's sampler does without shuffling (rank-major chunks of the global batch); the ranks of a context-
+    parallel group (dp = world / cp) get the same whole batches, which the engine splits."""
     from glm45v_fsdp.builders import build_training_data
     from glm45v_fsdp.data.collate import BATCH_METADATA_KEYS, collate
 
     config, hf_config, model = build_model(args, world)
     data = build_training_data(config, hf_config)
+    cp = context_parallel_size(args)
     batches = []
     for step in range(args.first_step, args.first_step + args.steps + 1):
-        first = (step * world + rank) * args.micro
+        first = (step * (world // cp) + rank // cp) * args.micro
         samples = [data.dataset[index] for index in range(first, first + args.micro)]
         batch = collate(samples, data.tokenizer.pad_token_id)
         batches.append({key: value for key, value in batch.items() if key not in BATCH_METADATA_KEYS})
@@ -185,6 +194,7 @@ def main() -> None:
     parser.add_argument("--text-layers", type=int, default=WORKLOAD["text_layers"])
     parser.add_argument("--text-tokens", type=int, default=WORKLOAD["text_tokens"])
     parser.add_argument("--image-size", type=int, default=WORKLOAD["image_size"], help="112 px: 8 x 8 = 64 patches")
+    parser.add_argument("--cutoff-len", type=int, default=None, help="samples cut at this many tokens")
     parser.add_argument("--world-size", type=int, default=2, help="bare / --save-initial: the ranks of the others")
     parser.add_argument("--ds-extra", default=None, help="JSON merged into the ds_config (bench door)")
     parser.add_argument("--save-initial", metavar="DIR", help="write the initial weights and ds_config to DIR")

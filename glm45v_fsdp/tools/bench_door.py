@@ -16,6 +16,7 @@ Goal: the engine door at most 5% slower than the trainer door (ratio <= 1.05) in
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -27,6 +28,7 @@ from glm45v_fsdp.tools.bench_deepspeed import add_run_arguments, initial_weights
 from glm45v_fsdp.tools.bench_runner import errors, md_table, saving_pct, write_report
 from glm45v_fsdp.tools.chart import bar_chart
 
+CONTEXT_GOAL = 0.6  # a context-parallel case's peak per rank / the CP1 case's, at --context-tokens (as the trainer)
 DOORS = ("ds_compat", "trainer")
 DOOR_NAMES = {"ds_compat": "engine API door", "trainer": "trainer --deepspeed"}
 SPEED_GOAL = 1.05  # engine ms / trainer ms: the engine door may be at most 5% slower
@@ -44,6 +46,37 @@ def cases(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "glm45v_fsdp": {"features": {"ep_balance": {"enabled": True}}},
         },
     }
+
+
+def context_cases(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The context-parallel cases over all --ranks ranks (CP1: every rank its own samples), with activation
+    checkpointing and the chunked loss, as the trainer's CP rows (bench memory --switches ulysses)."""
+    features = {"features": {"chunk_loss": {"mode": "dynamic", "logits_budget_mib": args.logits_budget_mib}}}
+    recompute, ring = {"activation_checkpointing": {}}, {"parallel": {"ring_attention_size": args.ranks}}
+    return {
+        "cp1": {**recompute, "glm45v_fsdp": features},
+        f"ulysses{args.ranks}": {**recompute, "sequence_parallel_size": args.ranks, "glm45v_fsdp": features},
+        f"ring{args.ranks}": {**recompute, "glm45v_fsdp": {**ring, **features}},
+    }
+
+
+def run_context(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The engine door's peak per rank at --context-tokens text tokens per sample (micro batch 1), once per case."""
+    bench = runner(args, "bench door")
+    rows, cp1 = [], None
+    for name, extra in context_cases(args).items():
+        case_args = argparse.Namespace(
+            **{**vars(args), "ds_extra": extra, "text_tokens": args.context_tokens, "text_layers": args.context_layers}
+            | {"cutoff_len": args.context_tokens, "micro": 1, "steps": 2}
+        )
+        label = f"[context] {name}, {args.context_tokens} text tokens"
+        run_dir = args.out / "runs" / f"context_{name}"
+        found = run_worker(case_args, bench, "ds_compat", args.zero, DTYPE, run_dir, label)
+        peak = found["peak_bytes_max"] / 2**20
+        cp1 = peak if cp1 is None else cp1
+        rows.append({"case": name, "ds_config_keys": extra, "peak_mib": peak, "over_cp1": peak / cp1,
+                     "pass": name == "cp1" or peak / cp1 <= CONTEXT_GOAL, "losses": found["losses"]})  # fmt: skip
+    return rows
 
 
 def run_case(args: argparse.Namespace, name: str, extra: dict[str, Any]) -> dict[str, list[dict]]:
@@ -123,10 +156,41 @@ def markdown(report: dict[str, Any]) -> str:
             for door, saved in report["chunk_saving"].items()
         ),
         "",
+        *context_markdown(report),
         *[f"- {note}" for note in report["notes"]],
         "",
     ]
     return "\n".join(lines)
+
+
+def context_markdown(report: dict[str, Any]) -> list[str]:
+    if not report["context_rows"]:
+        return []
+    return [
+        f"Context parallelism through the engine door, {report['context_tokens']} text tokens per sample (one per "
+        f"micro batch), {report['context_layers']} text layers, peak per rank (goal: a CP case at most "
+        f"{CONTEXT_GOAL}x CP1):",
+        "",
+        *md_table(
+            ["case", "ds_config keys", "peak MiB/rank", "/ CP1", f"≤ {CONTEXT_GOAL}"],
+            [
+                [
+                    r["case"],
+                    f"`{json.dumps(r['ds_config_keys'])}`",
+                    f"{r['peak_mib']:.1f}",
+                    f"{r['over_cp1']:.2f}",
+                    "pass" if r["pass"] else "below",
+                ]
+                for r in report["context_rows"]
+            ],
+        ),  # fmt: skip
+        "",
+        f"- context rows: the engine door only (the trainer's own: bench memory --switches ulysses,ring); one sample "
+        f"cut at {report['context_tokens']} tokens per micro batch (one 64-patch image included), activation "
+        "checkpointing and the dynamic chunk loss; CP1: every rank its own sample, a CP case: the group one sample; "
+        "peak: live tensor bytes of one untimed step, max over ranks.",
+        "",
+    ]
 
 
 def chart(report: dict[str, Any], path: Path) -> None:
@@ -140,8 +204,9 @@ def chart(report: dict[str, Any], path: Path) -> None:
 
 
 def run_door_bench(args: argparse.Namespace) -> dict[str, Any]:
-    chosen = cases(args)
+    chosen = cases(args) if not args.context_only else {}
     rows = {name: row(name, extra, run_case(args, name, extra), args.warmup) for name, extra in chosen.items()}
+    context_rows = run_context(args) if args.context_tokens else []
     report = {
         "benchmark": "door",
         "ranks": args.ranks,
@@ -149,7 +214,10 @@ def run_door_bench(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
         "rows": list(rows.values()),
-        "chunk_saving": chunk_saving(rows),
+        "chunk_saving": chunk_saving(rows) if rows else {},
+        "context_tokens": args.context_tokens,
+        "context_layers": args.context_layers,
+        "context_rows": context_rows,
         "notes": [
             f"workload: transformers' tiny GLM-4.5V (2 text layers, 8 routed experts, 2-block vision tower), micro "
             f"batch {args.micro} per rank, 256 text tokens + one 64-patch image per sample, AdamW, clipping 1.0; "
@@ -176,6 +244,11 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--zero", type=int, default=3, choices=(1, 2, 3))
     parser.add_argument("--ep", type=int, default=2, help="autoep_size of the ep case")
     parser.add_argument("--logits-budget-mib", type=float, default=0.25, help="the dynamic chunk loss's budget")
+    parser.add_argument(
+        "--context-tokens", type=int, default=8192, help="text tokens per sample of the context-parallel rows (0: none)"
+    )
+    parser.add_argument("--context-layers", type=int, default=6, help="text layers of the context-parallel rows")
+    parser.add_argument("--context-only", action="store_true", help="only the context-parallel rows")
     add_run_arguments(parser, Path("output/bench/door"))
 
 
