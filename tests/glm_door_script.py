@@ -8,7 +8,7 @@ batches (unshuffled; the trainer door's sampler gives the same micro batches). I
   and EP balance; a checkpoint at --save_at; after the last step the consolidated state dict, saved by the model's
   own save_pretrained, by the engine's save_16bit_model, and the same tensors as safetensors for the test to compare;
 - "resumed": a fresh model and engine that load the checkpoint and train the steps after it;
-- CP_RUNS: "off" with context parallelism (Ulysses 2, Ring 2 from the extension, Ulysses 2 with EP 2).
+- CP_RUNS: "off" with context parallelism (Ulysses 2, Ring 2 from the extension, hybrid 2 x 2), each also with EP 2.
 Rank 0 writes --out/result.json: per run the per-step losses (mean over the ranks), and what the door reported.
 """
 
@@ -58,20 +58,16 @@ ON = {
 
 # Context parallelism, each sequence split over 2 ranks: on 4 ranks these are 2 data-parallel groups, the samples of
 # each step those of "off" on 2 ranks. Ring sizes come from the extension section.
+EP2 = {"enabled": True, "autoep_size": 2}
+RING2 = {"glm45v_fsdp": {"parallel": {"ring_attention_size": 2}}}
 CP_RUNS = {
     "ulysses2": {**copy.deepcopy(OFF), "sequence_parallel_size": 2},
-    "ring2": {**copy.deepcopy(OFF), "glm45v_fsdp": {"parallel": {"ring_attention_size": 2}}},
-    "ulysses2_ep2": {
-        **copy.deepcopy(OFF),
-        "sequence_parallel_size": 2,
-        "expert_parallel": {"enabled": True, "autoep_size": 2},
-    },
+    "ring2": {**copy.deepcopy(OFF), **copy.deepcopy(RING2)},
+    "ulysses2_ep2": {**copy.deepcopy(OFF), "sequence_parallel_size": 2, "expert_parallel": EP2},
+    "ring2_ep2": {**copy.deepcopy(OFF), **copy.deepcopy(RING2), "expert_parallel": EP2},
     # Ulysses 2 x Ring 2: on 4 ranks one data-parallel rank, the samples of "off" on 1 rank
-    "hybrid": {
-        **copy.deepcopy(OFF),
-        "sequence_parallel_size": 2,
-        "glm45v_fsdp": {"parallel": {"ring_attention_size": 2}},
-    },
+    "hybrid": {**copy.deepcopy(OFF), **copy.deepcopy(RING2), "sequence_parallel_size": 2},
+    "hybrid_ep2": {**copy.deepcopy(OFF), **copy.deepcopy(RING2), "sequence_parallel_size": 2, "expert_parallel": EP2},
 }
 
 

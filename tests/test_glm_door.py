@@ -40,7 +40,7 @@ from glm45v_fsdp.plans import moe_layer_names
 API_SCRIPT = REPO / "tests" / "glm_door_script.py"
 TRAINER_SCRIPT = REPO / "tests" / "glm_hf_trainer_script.py"
 STEPS, SAVE_AT = 6, 3
-CP_NAMES = ("ulysses2", "ring2", "ulysses2_ep2")  # tests/glm_door_script.py's CP_RUNS
+CP_NAMES = ("ulysses2", "ring2", "ulysses2_ep2", "ring2_ep2")  # tests/glm_door_script.py's CP_RUNS but the hybrids
 LIMIT = 1e-5  # mean relative loss error, fp32
 
 
@@ -165,7 +165,7 @@ def cp4(tmp_path_factory, hf_dir) -> dict:
     sys.path.insert(0, str(REPO / "tests"))
     from glm_door_script import CP_RUNS
 
-    assert tuple(CP_RUNS) == (*CP_NAMES, "hybrid")
+    assert tuple(CP_RUNS) == (*CP_NAMES, "hybrid", "hybrid_ep2")
     runs = ",".join(CP_RUNS)
     log = launch(API_SCRIPT, 4, root / "door", "--hf_dir", str(hf_dir), "--steps", str(STEPS), "--runs", runs)
     launch(API_SCRIPT, 1, root / "one", "--hf_dir", str(hf_dir), "--steps", str(STEPS), "--runs", "off")
@@ -200,14 +200,17 @@ def test_api_script_context_parallel_equals_cp1_and_the_trainer_door(name, cp4, 
         assert groups["ep_name"] == "ep_size_2" and groups["ep_ranks"] == groups["engine_ep_ranks"]
 
 
-def test_api_script_hybrid_context_parallel_equals_cp1_and_the_trainer_door(cp4):
+@pytest.mark.parametrize("name", ["hybrid", "hybrid_ep2"])
+def test_api_script_hybrid_context_parallel_equals_cp1_and_the_trainer_door(name, cp4):
     """Ulysses 2 x Ring 2 on 4 ranks: one data-parallel rank, so the reference is the script on 1 rank."""
     result = cp4["result"]
-    assert mean_relative_error(result["hybrid"], cp4["one_rank"]["off"], STEPS) <= LIMIT
-    assert mean_relative_error(result["hybrid"], cp4["ref_hybrid"], STEPS) <= LIMIT
-    groups = result["hybrid_groups"]
+    assert mean_relative_error(result[name], cp4["one_rank"]["off"], STEPS) <= LIMIT
+    assert mean_relative_error(result[name], cp4["ref_hybrid"], STEPS) <= LIMIT
+    groups = result[f"{name}_groups"]
     assert groups["sp_size"] == 4 and groups["sp_ranks"] == groups["cp_ranks"] == [0, 1, 2, 3]
     assert groups["dp_size"] == groups["engine_dp_size"] == 1 and groups["train_batch_size"] == 2
+    if name.endswith("ep2"):
+        assert result[f"{name}_plans"]["expert_parallel"] > 0 and groups["ep_name"] == "ep_size_2"
 
 
 def hf_script_run(root: Path, script: Path, hf_dir: Path) -> dict:
