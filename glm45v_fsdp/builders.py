@@ -18,7 +18,7 @@ from glm45v_fsdp.data import GlobalBatchSampler, build_dataloader, build_dataset
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.model import build_meta_model, describe_model, load_hf_config
 from glm45v_fsdp.model.hf_forward import Glm4vMoeForScripts
-from glm45v_fsdp.parallel.plan import PlanMatch
+from glm45v_fsdp.module_patterns import PlanMatch
 from glm45v_fsdp.plans import GivenWeights, PlanContext, apply_plans
 from glm45v_fsdp.runtime import (
     DeviceLayer,

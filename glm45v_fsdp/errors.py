@@ -6,6 +6,7 @@ traceback. Anything else that escapes is a bug and keeps its traceback.
 
 import os
 import sys
+from collections.abc import Mapping
 from types import TracebackType
 
 EXIT_USER_ERROR = 2
@@ -29,10 +30,19 @@ class Preempted(RuntimeError):
     """A preemption signal ended the run at a step boundary, after a checkpoint (runtime/preemption.py)."""
 
 
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's global rank as the launcher variables give it (same precedence as
+    `runtime.dist.detect_dist_env`); 0 when none is set or it is not a number. For deciding who prints, never for
+    building the job. Here, not in runtime/, so that errors.py stays on the ground floor."""
+    env = os.environ if environ is None else environ
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        if name in env:
+            return int(env[name]) if env[name].strip().isdigit() else 0
+    return 0
+
+
 def report_user_error(program: str, error: UserError) -> None:
     """Print `error` as one paragraph on stderr; a ConfigError only on rank 0 (every rank has the same one)."""
-    from glm45v_fsdp.runtime.dist import launcher_rank
-
     if isinstance(error, ConfigError) and launcher_rank() != 0:
         return
     print(f"{program}: error: {error}", file=sys.stderr)

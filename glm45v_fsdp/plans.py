@@ -37,13 +37,13 @@ from glm45v_fsdp.memory.recompute import apply_recompute, kept_inside
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, materialize
 from glm45v_fsdp.model.init import allocate
 from glm45v_fsdp.model.moe import MoEBlock
+from glm45v_fsdp.module_patterns import PlanMatch, format_matches, match_modules
 from glm45v_fsdp.ops.apply import apply_ops
 from glm45v_fsdp.ops.registry import REFERENCE, choose_ops, log_choice
 from glm45v_fsdp.ops.verify import verify_ops
 from glm45v_fsdp.parallel.context import LANGUAGE_MODEL, Ulysses, apply_context_parallel, check_context_parallel
 from glm45v_fsdp.parallel.expert import apply_expert_parallel, check_expert_parallel, expert_sharded_modules
 from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, is_sharded
-from glm45v_fsdp.parallel.plan import PlanMatch, format_matches, match_modules
 from glm45v_fsdp.parallel.ring import Ring, choose_block_kernel, verify_block_kernel
 from glm45v_fsdp.parallel.sequence import SplitSequence, ZigzagSequence
 from glm45v_fsdp.runtime import DeviceLayer, ParallelDims, ParallelMeshes

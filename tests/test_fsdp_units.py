@@ -6,8 +6,8 @@ from __future__ import annotations
 from conftest import PARITY, mean_relative_error, read_metrics, train
 from torch import nn
 
+from glm45v_fsdp.module_patterns import match_modules
 from glm45v_fsdp.parallel.fsdp import set_prefetch, unit_groups
-from glm45v_fsdp.parallel.plan import match_modules
 
 
 def model_of(layer_params: list[int]) -> nn.Module:

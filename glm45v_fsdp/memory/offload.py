@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from glm45v_fsdp.config import ActivationOffloadConfig
 from glm45v_fsdp.log import get_logger
-from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
+from glm45v_fsdp.module_patterns import PlanMatch, match_modules
 from glm45v_fsdp.runtime.device import DeviceLayer
 
 # Single-input autograd nodes through which a tensor still "is" a parameter (a view or a dtype cast of it).

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from glm45v_fsdp.config import RecomputeConfig
 from glm45v_fsdp.log import get_logger
-from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
+from glm45v_fsdp.module_patterns import PlanMatch, match_modules
 from glm45v_fsdp.parallel.ring import RING_ATTENTION_OP
 
 _ATEN = torch.ops.aten

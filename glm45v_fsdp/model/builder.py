@@ -19,7 +19,7 @@ from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.model.loss import Glm4vMoeForTraining
 from glm45v_fsdp.model.moe import GroupedExperts
 from glm45v_fsdp.model.presets import PRESETS
-from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
+from glm45v_fsdp.module_patterns import PlanMatch, match_modules
 
 MODEL_TYPE = "glm4v_moe"
 OVERRIDES_KEY = "model.config_overrides"

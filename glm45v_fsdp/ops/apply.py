@@ -28,9 +28,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.glm4v_moe import modeling_glm4v_moe as hf
 
 from glm45v_fsdp.model.moe import LocalDispatcher, MoEBlock
+from glm45v_fsdp.module_patterns import PlanMatch
 from glm45v_fsdp.ops.kernels import KERNELS
 from glm45v_fsdp.ops.registry import OpsChoice
-from glm45v_fsdp.parallel.plan import PlanMatch
 
 OPS_ATTENTION = "glm45v_ops"
 SILU = (

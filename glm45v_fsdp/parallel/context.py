@@ -42,7 +42,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextAttention, eager_attention_forward
 
 from glm45v_fsdp.errors import ConfigError
-from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
+from glm45v_fsdp.module_patterns import PlanMatch, match_modules
 from glm45v_fsdp.parallel.ring import Ring, ring_attention, ring_pieces, sequence_segments
 from glm45v_fsdp.parallel.sequence import SplitSequence, ZigzagSequence
 

@@ -38,8 +38,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from glm45v_fsdp.config import EpBalanceConfig
 from glm45v_fsdp.errors import ConfigError
 from glm45v_fsdp.model.moe import Dispatched, GroupedExperts, MoEBlock, in_backward, weighted_combine
+from glm45v_fsdp.module_patterns import PlanMatch, match_modules
 from glm45v_fsdp.parallel.expert_route import Route, plan_route
-from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
 
 EXPERT_STACKS = ("gate_up_proj", "down_proj")
 DISPATCHERS = ("alltoall", "allgather")

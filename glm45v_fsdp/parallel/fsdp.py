@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard
 
 from glm45v_fsdp.config import FsdpPlanConfig
 from glm45v_fsdp.errors import ConfigError
-from glm45v_fsdp.parallel.plan import PlanMatch, match_modules
+from glm45v_fsdp.module_patterns import PlanMatch, match_modules
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -14,8 +14,8 @@ from torch import nn
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.errors import ConfigError
 from glm45v_fsdp.model import build_meta_model
+from glm45v_fsdp.module_patterns import PlanMatch
 from glm45v_fsdp.parallel.fsdp import DTYPES
-from glm45v_fsdp.parallel.plan import PlanMatch
 from glm45v_fsdp.planner.flops import Shape
 from glm45v_fsdp.planner.traffic import StepShape, largest_share
 from glm45v_fsdp.runtime.mesh import ParallelDims

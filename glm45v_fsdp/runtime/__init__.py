@@ -4,6 +4,7 @@ meshes, seeding and deterministic mode, and the per-step peak-memory meter.
 See docs/runtime.md for which launcher variable maps to which field and what is unverified on NPU hardware.
 """
 
+from glm45v_fsdp.errors import launcher_rank
 from glm45v_fsdp.runtime.device import DeviceLayer, select_device
 from glm45v_fsdp.runtime.dist import (
     DistEnv,
@@ -11,7 +12,6 @@ from glm45v_fsdp.runtime.dist import (
     expand_slurm_nodelist,
     gather_objects,
     init_distributed,
-    launcher_rank,
     rank_and_world,
     shutdown,
 )

@@ -263,16 +263,6 @@ def detect_dist_env(environ: Mapping[str, str] | None = None, local_rank_arg: in
     return result
 
 
-def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
-    """This process's global rank as the launcher variables give it (same precedence as `detect_dist_env`); 0 when
-    none is set or it is not a number. For deciding who prints, never for building the job."""
-    env = os.environ if environ is None else environ
-    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
-        if name in env:
-            return int(env[name]) if env[name].strip().isdigit() else 0
-    return 0
-
-
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))

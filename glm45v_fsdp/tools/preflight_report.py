@@ -18,8 +18,8 @@ from glm45v_fsdp.data import load_image_processor
 from glm45v_fsdp.data.processor import process_images
 from glm45v_fsdp.errors import ConfigError, UserError
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, build_meta_model, describe_model, load_hf_config
+from glm45v_fsdp.module_patterns import PlanMatch
 from glm45v_fsdp.parallel.fsdp import DTYPES, unit_groups, unit_mib
-from glm45v_fsdp.parallel.plan import PlanMatch
 from glm45v_fsdp.plans import PLANS, PlanContext, enabled_plans
 from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims, select_device
 from glm45v_fsdp.runtime.topology import FAMILIES, NodeLayout, placement

@@ -1,4 +1,5 @@
-"""Module patterns shared by every plan (fsdp, freeze, recompute, offload, ep).
+"""Module patterns shared by every plan (fsdp, freeze, recompute, offload, ep): the ground floor that `model/`,
+`parallel/`, `memory/` and `ops/` all match modules with, so none of them reaches up into another to do it.
 
 A pattern is a dotted module path whose segments may be
   - a literal name (`model.visual`),
