@@ -32,6 +32,7 @@ from glm45v_fsdp.checkpoint.layout import KeyDiff, describe_diff, summarize_keys
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.memory.chunk_loss import apply_chunk_loss, choose_chunk
+from glm45v_fsdp.memory.estimate import ActivationEstimate, loss_peak_bytes
 from glm45v_fsdp.memory.offload import apply_activation_offload, describe_offload
 from glm45v_fsdp.memory.recompute import apply_recompute, kept_inside
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, materialize
@@ -48,7 +49,6 @@ from glm45v_fsdp.parallel.ring import Ring, choose_block_kernel, verify_block_ke
 from glm45v_fsdp.parallel.sequence import SplitSequence, ZigzagSequence
 from glm45v_fsdp.runtime import DeviceLayer, ParallelDims, ParallelMeshes
 from glm45v_fsdp.runtime.device import import_torch_npu
-from glm45v_fsdp.tools.estimate import ActivationEstimate, loss_peak_bytes
 
 
 @dataclass(frozen=True)

@@ -41,3 +41,16 @@ def test_the_ground_floor_imports_nothing_above_it():
     assert imports_of(PACKAGE / "errors.py") == set()
     assert imports_of(PACKAGE / "module_patterns.py") == {"glm45v_fsdp.errors"}
     assert offenders("runtime", ("glm45v_fsdp.tools", "glm45v_fsdp.plans", "glm45v_fsdp.trainer")) == {}
+
+
+def test_only_the_command_line_imports_the_tools():
+    """tools/ holds the command-line entry points and the benchmarks; the core (plans, planner, preflight, ...)
+    imports nothing from it."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.is_relative_to(PACKAGE / "tools"):
+            continue
+        bad = sorted(name for name in imports_of(path) if name.startswith("glm45v_fsdp.tools"))
+        if bad:
+            found[str(path.relative_to(PACKAGE.parent))] = bad
+    assert found == {}

@@ -21,8 +21,8 @@ from glm45v_fsdp.memory.recompute import apply_recompute
 from glm45v_fsdp.model import build_meta_model, load_hf_config, materialize, model_loss_sum
 from glm45v_fsdp.planner.flops import Shape, step_flops
 from glm45v_fsdp.plans import MoEPlan, PlanContext
+from glm45v_fsdp.preflight import minimal_dims
 from glm45v_fsdp.runtime import select_device
-from glm45v_fsdp.tools.preflight_report import minimal_dims
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,12 @@ from transformers import Glm4vMoeForConditionalGeneration
 from glm45v_fsdp.config import ModelConfig, load_config
 from glm45v_fsdp.data import build_dataset, build_image_processor, build_tiny_tokenizer, collate
 from glm45v_fsdp.data.dump import MODEL_KEYS, BatchDumper, dump_path
+from glm45v_fsdp.memory.estimate import activation_bytes, shard_rows
 from glm45v_fsdp.model import build_meta_model, load_hf_config, materialize, model_loss_sum
 from glm45v_fsdp.plans import MoEPlan, PlanContext
+from glm45v_fsdp.preflight import minimal_dims
 from glm45v_fsdp.runtime import select_device
 from glm45v_fsdp.tools import compare_batches, preflight, preflight_report
-from glm45v_fsdp.tools.estimate import activation_bytes, shard_rows
-from glm45v_fsdp.tools.preflight_report import minimal_dims
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_106B = str(REPO / "configs" / "glm45v_106b_sft.yaml")

@@ -98,7 +98,7 @@ def _measure(rank: int, port: int, result_path: str) -> None:
 
 
 def calibrate(path: Path) -> Device:
-    from glm45v_fsdp.tools.bench_runner import free_port
+    from glm45v_fsdp.runtime.dist import free_port
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.errors import ConfigError
+from glm45v_fsdp.memory.estimate import ShardLayout, state_bytes, transient_bytes
 from glm45v_fsdp.parallel.context import check_context_parallel
 from glm45v_fsdp.parallel.expert import check_expert_parallel
 from glm45v_fsdp.parallel.fsdp import DTYPES
@@ -26,10 +27,9 @@ from glm45v_fsdp.planner.flops import Flops, step_flops
 from glm45v_fsdp.planner.layout import CHUNK_LOSS, RECOMPUTE, Job, Layout
 from glm45v_fsdp.planner.step_time import StepTime, step_time
 from glm45v_fsdp.planner.traffic import Collective, fsdp_traffic, other_traffic
+from glm45v_fsdp.preflight import activation_estimate, sample_images
 from glm45v_fsdp.runtime.mesh import ParallelDims
 from glm45v_fsdp.runtime.topology import NodeLayout, placement
-from glm45v_fsdp.tools.estimate import ShardLayout, state_bytes, transient_bytes
-from glm45v_fsdp.tools.preflight_report import activation_estimate, sample_images
 
 TIE = 0.005  # modelled step times closer than this are not told apart (the model is not that precise)
 

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from glm45v_fsdp.memory.estimate import ParamSpec, ShardLayout
 from glm45v_fsdp.parallel.sequence import image_owners
 from glm45v_fsdp.runtime.mesh import ParallelDims
-from glm45v_fsdp.tools.estimate import ParamSpec, ShardLayout
 
 FAMILIES = ("fsdp", "efsdp", "dp_replicate", "ep", "cp_ulysses", "cp_ring", "cp", "dp")
 INT64, FP32 = 8, 4

@@ -263,7 +263,8 @@ def detect_dist_env(environ: Mapping[str, str] | None = None, local_rank_arg: in
     return result
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for a rendezvous this process starts)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -314,7 +315,7 @@ def init_distributed(
                 f"but the launcher says rank {env.rank} of {env.world_size}."
             )
         return "network: the process group already existed"
-    port = env.master_port or _free_port(env.master_addr)
+    port = env.master_port or free_port(env.master_addr)
     os.environ.update(
         RANK=str(env.rank),
         LOCAL_RANK=str(env.local_rank),

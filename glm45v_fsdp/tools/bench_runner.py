@@ -21,7 +21,6 @@ import json
 import math
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,14 +43,10 @@ PARITY_LIMIT = 1e-5
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun_command(ranks: int, module: str, arguments: list[str]) -> list[str]:
     """`python -m torch.distributed.run` on `ranks` local processes (free rendezvous port) running `-m module`."""
+    from glm45v_fsdp.runtime.dist import free_port  # here: the commands' --help answers before torch is imported
+
     return [
         sys.executable,
         "-m",

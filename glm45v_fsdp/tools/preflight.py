@@ -8,7 +8,7 @@ registry (glm45v_fsdp/plans.py) as a dry run in build order and prints what each
 count. A pattern that matches nothing, a missing required FSDP unit or an impossible layout is an error (exit 2, each
 problem named). With --world-size it also prints each rank's memory: exact bytes of parameters, gradients and AdamW
 states under FSDP2 sharding, and estimates of the transient unsharded copies and the activations
-(glm45v_fsdp.tools.estimate; docs/tools.md). With --deepspeed the ds_config is translated onto the config as
+(glm45v_fsdp.memory.estimate; docs/tools.md). With --deepspeed the ds_config is translated onto the config as
 `python -m glm45v_fsdp.train --deepspeed` translates it for N ranks, and everything above runs on the result.
 """
 
