@@ -68,7 +68,7 @@ setup(
             "trl>=1.16,<2",
         ],
         "tensorboard": ["tensorboard>=2.14"],
-        # the PNG charts of `python -m glm45v_fsdp.tools.bench` (glm45v_fsdp/tools/chart.py)
+        # the PNG charts of `python -m glm45v_fsdp.tools.bench` (glm45v_fsdp/bench/charts.py)
         "bench": ["matplotlib>=3.7"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
         # torch_npu must match the installed torch and CANN; pin it with the version Ascend publishes for it.

@@ -15,32 +15,54 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_overhead_bench_compares_like_with_like(tmp_path):
-    out = tmp_path / "overhead.json"
+@pytest.fixture(scope="module")
+def benches(tmp_path_factory):
+    """The real runs of the overhead, memory and ops benches below, started at once (each is one process, or 1-rank
+    runs one after another: about one core of two busy). `benches(name)` waits for one: (the folder the benches
+    write to, the finished process)."""
+    root = tmp_path_factory.mktemp("benches")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "glm45v_fsdp.tools.bench",
-            "overhead",
-            "--steps",
-            "4",
-            "--warmup",
-            "1",
-            "--blocks",
-            "2",
-            "--output",
-            str(out),
-        ],
-        cwd=REPO,
-        env={**env, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    commands = {
+        "overhead": (
+            ["overhead", "--steps", "4", "--warmup", "1", "--blocks", "2", "--output", str(root / "overhead.json")],
+            {**env, "PYTHONPATH": str(REPO)},
+        ),
+        "memory": (
+            [
+                "memory",
+                *("--steps", "3", "--warmup", "1", "--tokens", "256", "--vocab", "2048", "--images", "2"),
+                *("--switches", "chunk_static,chunk_dynamic", "--out", str(root / "memory")),
+                "features.chunk_loss.chunk_size=64",
+            ],
+            clean_env(),
+        ),
+        "ops": (
+            ["ops", "--tokens", "32", "--repeats", "1", "--steps", "2", "--out", str(root / "ops")],
+            clean_env(),
+        ),
+    }
+    started = {}
+    for name, (argv, child_env) in commands.items():
+        with (root / f"{name}.stdout").open("w") as stdout, (root / f"{name}.stderr").open("w") as stderr:
+            command = [sys.executable, "-m", "glm45v_fsdp.tools.bench", *argv]
+            started[name] = subprocess.Popen(command, cwd=REPO, env=child_env, stdout=stdout, stderr=stderr)
+
+    def finished(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        process = started[name]
+        process.wait(timeout=600)
+        output = [(root / f"{name}.{stream}").read_text() for stream in ("stdout", "stderr")]
+        return root, subprocess.CompletedProcess(process.args, process.returncode, *output)
+
+    yield finished
+    for process in started.values():
+        if process.poll() is None:
+            process.kill()
+
+
+def test_overhead_bench_compares_like_with_like(benches):
+    root, result = benches("overhead")
     assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(out.read_text())
+    figures = json.loads((root / "overhead.json").read_text())
     assert (
         abs(figures["first_step_loss_ours"] - figures["first_step_loss_bare"]) <= 1e-6 * figures["first_step_loss_bare"]
     )
@@ -48,26 +70,11 @@ def test_overhead_bench_compares_like_with_like(tmp_path):
     assert f"ratio {figures['ratio_median']:.3f}x" in result.stdout
 
 
-def test_memory_bench_writes_a_consistent_table(tmp_path):
+def test_memory_bench_writes_a_consistent_table(benches):
     """Two switches sharing their OFF run (which runs once): table, JSON and chart written, figures derived from the
     runs' own metrics."""
-    out = tmp_path / "memory"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "glm45v_fsdp.tools.bench",
-            "memory",
-            *("--steps", "3", "--warmup", "1", "--tokens", "256", "--vocab", "2048", "--images", "2"),
-            *("--switches", "chunk_static,chunk_dynamic", "--out", str(out)),
-            "features.chunk_loss.chunk_size=64",
-        ],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    root, result = benches("memory")
+    out = root / "memory"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert sorted(p.name for p in (out / "runs").iterdir()) == ["chunk_dynamic", "chunk_static", "full_logits"]
     report = json.loads((out / "memory.json").read_text())
@@ -102,7 +109,8 @@ def test_memory_bench_writes_a_consistent_table(tmp_path):
 def test_memory_bench_on_cuda_judges_offload_and_runs_every_process_on_the_device(tmp_path, monkeypatch):
     """The prepared GPU script (--device cuda): every run trains on cuda with the allocator peak, and the offload row
     is judged against its target there (on cpu it is parity only). The runs are faked: no GPU here."""
-    from glm45v_fsdp.tools import bench, bench_runner
+    from glm45v_fsdp.bench import runner as bench_runner
+    from glm45v_fsdp.tools import bench
 
     peaks = {"recompute": 1.0, "recompute_offload": 0.7}
     commands = {}
@@ -138,7 +146,9 @@ def test_memory_bench_on_cuda_judges_offload_and_runs_every_process_on_the_devic
 
 def test_memory_bench_ulysses_row_needs_even_ranks(tmp_path, monkeypatch):
     """The CP row runs CP 2 with twice the accumulation on the same ranks; faked runs (no processes)."""
-    from glm45v_fsdp.tools import bench, bench_memory, bench_runner
+    from glm45v_fsdp.bench import memory as bench_memory
+    from glm45v_fsdp.bench import runner as bench_runner
+    from glm45v_fsdp.tools import bench
 
     commands = {}
 
@@ -173,7 +183,8 @@ def test_memory_bench_ulysses_row_needs_even_ranks(tmp_path, monkeypatch):
 def test_ep_bench_runs_each_configuration_and_judges_the_rows(tmp_path, monkeypatch):
     """EP1 vs EP2, both dispatchers, balance under skewed and natural routing: the commands each run gets, and the
     figures and judgements the table derives from their records. The runs are faked (no processes)."""
-    from glm45v_fsdp.tools import bench, bench_runner
+    from glm45v_fsdp.bench import runner as bench_runner
+    from glm45v_fsdp.tools import bench
 
     ms = {"ep1": 300.0, "ep2": 200.0, "ep2_allgather": 190.0, "skew": 320.0, "skew_balance": 240.0, "balance": 201.0}
     after = {"skew_balance": 1.04}
@@ -229,7 +240,8 @@ def test_ep_bench_runs_each_configuration_and_judges_the_rows(tmp_path, monkeypa
 
 def test_longest_bench_doubles_until_the_budget_and_judges_the_ratio(tmp_path):
     """The doubling search with a faked measurement (peak grows with the tokens each rank holds)."""
-    from glm45v_fsdp.tools import bench, bench_longest
+    from glm45v_fsdp.bench import longest as bench_longest
+    from glm45v_fsdp.tools import bench
 
     tried = []
 
@@ -257,7 +269,8 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
     ZeRO-3 is judged against 1.6x and the others against 1.0x and 0.8 of the bare loop's rate, the trainer door gets
     the worker's initial weights and ds_config, and the loss parity is reported per door; torch DDP's share of the
     bare rate is reported beside it."""
-    from glm45v_fsdp.tools import bench, bench_runner
+    from glm45v_fsdp.bench import runner as bench_runner
+    from glm45v_fsdp.tools import bench
 
     order, trainer_commands = [], []
     speed = {"deepspeed": {1: 50.0, 3: 120.0}, "ds_compat": {1: 40.0, 3: 80.0}, "trainer": {1: 50.0, 3: 70.0}}
@@ -287,7 +300,7 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
         backend, zero = argument(command, "backend"), int(argument(command, "zero"))
         order.append((zero, backend))
         if backend == "alternate":
-            assert command[:3] == [sys.executable, "-m", "glm45v_fsdp.tools.bench_deepspeed_worker"]  # one process
+            assert command[:3] == [sys.executable, "-m", "glm45v_fsdp.bench.deepspeed_api_worker"]  # one process
             alone = {"ms": [999.0] + [36.0] * 5, "bare_ms": [999.0] + [40.0] * 5, "losses": losses}
             Path(argument(command, "out")).write_text(json.dumps({**alone, "bare_losses": [2.0, 1.9, 1.8]}))
             return [], 1.0, 1.0
@@ -331,14 +344,13 @@ def test_deepspeed_bench_interleaves_backends_and_judges_the_ratio(tmp_path, mon
     assert bench.main(["deepspeed", "--dtype", "fp8", "--out", str(tmp_path)]) == 2
 
 
-def test_ops_bench_measures_each_fast_kernel_and_the_training_pair(tmp_path):
+def test_ops_bench_measures_each_fast_kernel_and_the_training_pair(benches):
     """CPU: only the experts leave the reference (torch._grouped_mm), so that row has figures and the others say
     why; the training pair ran with both settings and compared their losses."""
-    command = [sys.executable, "-m", "glm45v_fsdp.tools.bench", "ops", "--tokens", "32", "--repeats", "1"]
-    command += ["--steps", "2", "--out", str(tmp_path)]
-    result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=600)
+    root, result = benches("ops")
+    out = root / "ops"
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((tmp_path / "ops.json").read_text())
+    report = json.loads((out / "ops.json").read_text())
     rows = {row["op"]: row for row in report["ops"]}
     assert set(rows) == {"rms_norm", "rotary", "vision rotary", "attention", "experts", "permute", "swiglu"}
     experts = rows["experts"]
@@ -347,7 +359,7 @@ def test_ops_bench_measures_each_fast_kernel_and_the_training_pair(tmp_path):
     auto, reference = report["training"]
     assert (auto["ops"], reference["ops"]) == ("auto", "reference") and len(auto["losses"]) == 2
     assert auto["loss_error"] < 1e-3 and "experts: torch._grouped_mm" in auto["log"]
-    assert "| experts | torch._grouped_mm |" in (tmp_path / "ops.md").read_text()
+    assert "| experts | torch._grouped_mm |" in (out / "ops.md").read_text()
 
 
 def test_deepspeed_bench_alternate_runs_the_bare_loop_and_the_engine_on_equal_terms(tmp_path):
@@ -356,7 +368,7 @@ def test_deepspeed_bench_alternate_runs_the_bare_loop_and_the_engine_on_equal_te
     from conftest import python
 
     out = tmp_path / "alternate.json"
-    worker = ["-m", "glm45v_fsdp.tools.bench_deepspeed_worker", "--backend=alternate", "--zero=2", "--steps=3"]
+    worker = ["-m", "glm45v_fsdp.bench.deepspeed_api_worker", "--backend=alternate", "--zero=2", "--steps=3"]
     result = python([*worker, f"--out={out}"], timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     found = json.loads(out.read_text())
@@ -369,7 +381,8 @@ def test_door_bench_runs_both_doors_per_case_with_the_case_keys(tmp_path, monkey
     """Faked runs (no processes): each case's ds_config keys reach the engine door's script (--ds-extra) and the
     trainer door's ds_config (written by the script's --save-initial with the same keys); the doors alternate per
     round; the ratio is engine ms / trainer ms, judged against 1.05; the chunked loss's saving is per door."""
-    from glm45v_fsdp.tools import bench, bench_runner
+    from glm45v_fsdp.bench import runner as bench_runner
+    from glm45v_fsdp.tools import bench
 
     order, extras = [], {}
     engine_ms = {"full_logits": 50.0, "chunk_dynamic": 52.0, "ep": 60.0}

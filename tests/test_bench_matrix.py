@@ -134,7 +134,8 @@ def test_matrix_plans_every_group_and_refuses_what_cannot_run(tmp_path, monkeypa
     the accumulation, P32K's CP pair at its smaller micro batch; bad --ranks/--configs/--groups are user errors."""
     import argparse
 
-    from glm45v_fsdp.tools import bench, bench_matrix
+    from glm45v_fsdp.bench import matrix as bench_matrix
+    from glm45v_fsdp.tools import bench
 
     args = argparse.Namespace(groups=list(bench_matrix.GROUPS), configs=None)
     jobs = bench_matrix.plan(args)

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_parity_bench_compares_each_door_with_deepspeed_and_judges_bf16(tmp_path, monkeypatch):
-    from glm45v_fsdp.tools import bench, bench_runner
+    from glm45v_fsdp.bench import runner as bench_runner
+    from glm45v_fsdp.tools import bench
 
     order = []
     reference = [2.0, 1.8, 1.5, 1.2]

@@ -1,4 +1,4 @@
-"""The benchmark charts (glm45v_fsdp/tools/chart.py, matplotlib): each function writes a real PNG with both series'
+"""The benchmark charts (glm45v_fsdp/bench/charts.py, matplotlib): each function writes a real PNG with both series'
 colours, NaN/None values draw no bar (and are left out of the loss comparison), the relative-error axis turns
 logarithmic for errors far below the reference line, and a missing matplotlib is a UserError naming the extra."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from glm45v_fsdp.bench import charts as chart
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools import chart
 
 needs_matplotlib = pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed (the test extra has it)"

@@ -159,7 +159,7 @@ def test_trainer_resumes_a_deepspeed_run_of_transformers_glm45v(tmp_path, capsys
     steps and saves; our trainer (`--deepspeed` with the same ds_config, training.load = DeepSpeed's save dir) takes
     the next step with the loss DeepSpeed's own resume gets; then the offline conversions of that checkpoint."""
     env = {**clean_env(), "DS_ACCELERATOR": "cpu"}
-    worker = ["-m", "glm45v_fsdp.tools.bench_deepspeed_worker", "--backend=deepspeed", "--zero=2"]
+    worker = ["-m", "glm45v_fsdp.bench.deepspeed_api_worker", "--backend=deepspeed", "--zero=2"]
 
     def run(argv: list[str], nproc: int) -> None:
         result = python(argv, nproc, env=env, timeout=900)

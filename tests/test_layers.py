@@ -43,14 +43,21 @@ def test_the_ground_floor_imports_nothing_above_it():
     assert offenders("runtime", ("glm45v_fsdp.tools", "glm45v_fsdp.plans", "glm45v_fsdp.trainer")) == {}
 
 
-def test_only_the_command_line_imports_the_tools():
-    """tools/ holds the command-line entry points and the benchmarks; the core (plans, planner, preflight, ...)
-    imports nothing from it."""
+def importers_of(prefix: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
+    """{file of glm45v_fsdp/ or ds_compat/ outside the `allowed` folders: its imports that start with `prefix`}."""
     found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.is_relative_to(PACKAGE / "tools"):
-            continue
-        bad = sorted(name for name in imports_of(path) if name.startswith("glm45v_fsdp.tools"))
-        if bad:
-            found[str(path.relative_to(PACKAGE.parent))] = bad
-    assert found == {}
+    for root in (PACKAGE, PACKAGE.parent / "ds_compat"):
+        for path in sorted(root.rglob("*.py")):
+            if any(path.is_relative_to(PACKAGE / folder) for folder in allowed):
+                continue
+            bad = sorted(name for name in imports_of(path) if name.startswith(prefix))
+            if bad:
+                found[str(path.relative_to(PACKAGE.parent))] = bad
+    return found
+
+
+def test_only_the_command_line_imports_the_tools_and_the_benchmarks():
+    """tools/ holds the command-line entry points only; the benchmarks (bench/) are imported by them alone; the core
+    (plans, planner, preflight, ...) and ds_compat import neither."""
+    assert importers_of("glm45v_fsdp.tools", allowed=("tools",)) == {}
+    assert importers_of("glm45v_fsdp.bench", allowed=("tools", "bench")) == {}

@@ -1,5 +1,5 @@
 """Benchmarks. `python -m glm45v_fsdp.tools.bench SUBCOMMAND [options] [overrides]`, SUBCOMMAND one of
-overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops; every one but overhead runs through tools/bench_runner.py.
+overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops; every one but overhead runs through bench/runner.py.
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -7,29 +7,29 @@ same transformers model, weights, batch and optimizer, timed side by side in one
 drift in machine speed hits both). Prints the ratio ours/bare and writes it as JSON.
 
 memory: OFF/ON training runs per memory switch (chunk loss, recompute, offload, combined), each in its own process;
-a table in the reference report's form as markdown and JSON, and a PNG bar chart (tools/bench_memory.py).
+a table in the reference report's form as markdown and JSON, and a PNG bar chart (bench/memory.py).
 
 ep: expert parallelism: EP1 vs EP n, alltoall vs allgather, EP balance under skewed and natural routing, each side a
-real training run; the same markdown / JSON / PNG outputs (tools/bench_ep.py).
+real training run; the same markdown / JSON / PNG outputs (bench/ep.py).
 
 longest: the longest sequence each context-parallel layout (CP1, Ulysses 2, Ring 2, hybrid 4) trains within a
-per-rank memory budget, found by doubling (tools/bench_longest.py).
+per-rank memory budget, found by doubling (bench/longest.py).
 
 deepspeed: one DeepSpeed-API script on transformers' tiny GLM-4.5V, the real DeepSpeed against ds_compat, per ZeRO
-stage and dtype, interleaved rounds (tools/bench_deepspeed.py).
+stage and dtype, interleaved rounds (bench/deepspeed_api.py).
 
 door: the DeepSpeed engine door on GLM-4.5V (a DeepSpeed-API script handed transformers' model) beside the trainer
 door on one ds_config per case: full logits, the dynamic chunked loss, EP; step-time ratio (goal: engine at most 5%
-slower), chunked-loss memory saving at each door, loss error between the doors (tools/bench_door.py).
+slower), chunked-loss memory saving at each door, loss error between the doors (bench/door.py).
 
 parity: the DeepSpeed-API script for 2000 steps on the real DeepSpeed and on this backend's two doors, bf16 and fp32:
-loss and grad-norm errors, throughput ratio, loss-comparison plots (tools/bench_parity.py).
+loss and grad-norm errors, throughput ratio, loss-comparison plots (bench/parity.py).
 
 matrix: the reference report's switch matrix, 00_baseline ... 10_full_ulysses in the F200 / F500 / P32K groups, with
-presets for this CPU machine and for one 8-device NPU or GPU node (tools/bench_matrix.py).
+presets for this CPU machine and for one 8-device NPU or GPU node (bench/matrix.py).
 
 ops: each accelerator op's fast kernel against its reference (error, speed-up), then a training run with
-model.ops=auto against model.ops=reference (tools/bench_ops.py).
+model.ops=auto against model.ops=reference (bench/ops.py).
 """
 
 from __future__ import annotations
@@ -39,20 +39,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from glm45v_fsdp.bench import deepspeed_api, door, ep, longest, matrix, memory, parity
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools import (
-    bench_deepspeed,
-    bench_door,
-    bench_ep,
-    bench_longest,
-    bench_matrix,
-    bench_memory,
-    bench_parity,
-)
 
 
 def add_ops_parser(sub: Any) -> None:
-    """bench ops' options (here: tools/bench_ops.py imports torch, which --help must not wait for)."""
+    """bench ops' options (here: bench/ops.py imports torch, which --help must not wait for)."""
     parser = sub.add_parser(
         "ops",
         help="each op's fast kernel vs its reference (error, speed-up), and a training run auto vs reference",
@@ -79,36 +71,36 @@ def main(argv: list[str] | None = None) -> int:
     overhead.add_argument("--blocks", type=int, default=4, help="alternating timing blocks")
     overhead.add_argument("--output", type=Path, default=Path("output/bench/overhead.json"))
     overhead.add_argument("overrides", nargs="*", help="key.path=value config overrides")
-    bench_memory.add_parser(sub)
-    bench_ep.add_parser(sub)
-    bench_longest.add_parser(sub)
-    bench_deepspeed.add_parser(sub)
-    bench_door.add_parser(sub)
-    bench_matrix.add_parser(sub)
-    bench_parity.add_parser(sub)
+    memory.add_parser(sub)
+    ep.add_parser(sub)
+    longest.add_parser(sub)
+    deepspeed_api.add_parser(sub)
+    door.add_parser(sub)
+    matrix.add_parser(sub)
+    parity.add_parser(sub)
     add_ops_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
         if args.benchmark == "memory":
-            return bench_memory.main_memory(args, argv)
+            return memory.main_memory(args, argv)
         if args.benchmark == "ep":
-            return bench_ep.main_ep(args, argv)
+            return ep.main_ep(args, argv)
         if args.benchmark == "longest":
-            return bench_longest.main_longest(args, argv)
+            return longest.main_longest(args, argv)
         if args.benchmark == "parity":
-            return bench_parity.main_parity(args, argv)
+            return parity.main_parity(args, argv)
         if args.benchmark == "matrix":
-            return bench_matrix.main_matrix(args, argv)
+            return matrix.main_matrix(args, argv)
         if args.benchmark == "door":
-            return bench_door.main_door(args, argv)
+            return door.main_door(args, argv)
         if args.benchmark == "deepspeed":
-            return bench_deepspeed.main_deepspeed(args, argv)
+            return deepspeed_api.main_deepspeed(args, argv)
         if args.benchmark == "ops":
-            from glm45v_fsdp.tools.bench_ops import main_ops
+            from glm45v_fsdp.bench.ops import main_ops
 
             return main_ops(args, argv)
-        from glm45v_fsdp.tools.bench_overhead import run_overhead
+        from glm45v_fsdp.bench.overhead import run_overhead
 
         run_overhead(args.steps, args.warmup, args.blocks, args.overrides, args.output)
     except UserError as error:

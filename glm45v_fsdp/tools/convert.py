@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # before the conversions import torch: --help and usage errors answer at once
-    from glm45v_fsdp.tools import conversions
+    from glm45v_fsdp.checkpoint import conversions
 
     try:
         return getattr(conversions, args.run)(args)

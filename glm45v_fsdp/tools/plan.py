@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"calibration": str(args.calibration), "device": device.__dict__}, indent=1))
             return 0
         if args.validate:
-            from glm45v_fsdp.tools.plan_validate import validate
+            from glm45v_fsdp.bench.plan_validation import validate
 
             return validate(args)
         if args.deepspeed:

@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_runner import (
+from glm45v_fsdp.bench.options import add_run_options, bench_command, settle
+from glm45v_fsdp.bench.runner import (
     PARITY_LIMIT,
     Run,
     Runner,
@@ -49,6 +48,7 @@ from glm45v_fsdp.tools.bench_runner import (
     run_figures,
     write_report,
 )
+from glm45v_fsdp.errors import UserError
 
 CPU_OFFLOAD_NOTE = (
     "On cpu the offload rows count the host copies too: host and device are one memory, so offload can only add to "
@@ -660,7 +660,7 @@ def markdown(report: dict[str, Any]) -> str:
 def charts(report: dict[str, Any]) -> dict[str, Any]:
     """File name -> drawing function: per group the ms/iter of each switch pair (OFF blue, ON orange) and the
     per-configuration peak memory (max-rank, avg-rank), and the loss comparison of every pair."""
-    from glm45v_fsdp.tools.chart import config_bars, loss_comparison_chart
+    from glm45v_fsdp.bench.charts import config_bars, loss_comparison_chart
 
     drawn: dict[str, Any] = {}
     where = f"{report['device']}, {report['ranks']} ranks, {report['dtype']}"
@@ -763,7 +763,7 @@ def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
         "device": preset.device,
         "ranks": args.ranks,
         "dtype": preset.dtype,
-        "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
+        "command": bench_command(args.argv),
         "wall_s": wall,
         "processes": len(jobs) + 1,
         "notes": notes(args, preset),
@@ -800,14 +800,11 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--ranks", type=int, default=None, help="processes per run (default: the preset's)")
     parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default=None, help="default: the preset's")
     parser.add_argument("--steps", type=int, default=None, help="timing steps of every group (default: the preset's)")
-    parser.add_argument("--out", type=Path, default=Path("output/bench/matrix"), help="output directory")
-    parser.add_argument("--run-timeout", type=float, default=None, help="seconds allowed per training run")
-    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default: 1 on cpu)")
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides for every run (applied last)")
+    add_run_options(parser, Path("output/bench/matrix"), threads_help="OMP_NUM_THREADS per rank (default: 1 on cpu)")
 
 
 def main_matrix(args: argparse.Namespace, argv: list[str]) -> int:
-    from glm45v_fsdp.tools.chart import require_matplotlib
+    from glm45v_fsdp.bench.charts import require_matplotlib
 
     require_matplotlib()  # before an hour of runs, not after
     preset = PRESETS[args.preset]
@@ -835,9 +832,7 @@ def main_matrix(args: argparse.Namespace, argv: list[str]) -> int:
         )
     if args.steps is not None and args.steps < 2:
         raise UserError(f"bench matrix: --steps must be >= 2, got {args.steps}.")
-    if args.threads is None and preset.device == "cpu":
-        args.threads = 1
-    args.argv = argv
+    settle(args, argv, preset.device)
     report = run_matrix(args)
     failed = [
         f"{name} {pair['label']}" for name, result in report["groups"].items() for pair in result["pairs"]

@@ -17,9 +17,9 @@ import statistics
 import sys
 from typing import Any
 
+from glm45v_fsdp.bench.runner import Runner, md_table, write_report
 from glm45v_fsdp.planner.devices import load_calibration
 from glm45v_fsdp.planner.layout import Job, Layout
-from glm45v_fsdp.tools.bench_runner import Runner, md_table, write_report
 
 RANKS = 2
 GLOBAL_BATCH = 4

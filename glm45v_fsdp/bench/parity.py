@@ -1,11 +1,11 @@
 """`python -m glm45v_fsdp.tools.bench parity`: a long run against the backend being replaced.
 
 The DeepSpeed-API script of `bench deepspeed` (transformers' tiny GLM-4.5V, the same initial weights and batches
-everywhere; tools/bench_deepspeed_worker.py) runs `--steps` steps (default 2000) on the real DeepSpeed, and this
+everywhere; bench/deepspeed_api_worker.py) runs `--steps` steps (default 2000) on the real DeepSpeed, and this
 backend runs the same workload through both of its doors: the same script with `import ds_compat as deepspeed`
 (engine) and our trainer behind `--deepspeed ds_config.json` (trainer). Per dtype (bf16, the acceptance run, and
 fp32 beside it) and door, against DeepSpeed:
-  - loss mean and max relative error over every step (the reference's definition, bench_runner.errors), the
+  - loss mean and max relative error over every step (the reference's definition, runner.errors), the
     mean signed and mean absolute difference;
   - grad-norm mean and max relative error (the global norm before clipping, as each backend reports it);
   - throughput ratio = DeepSpeed's mean ms/step / the door's over the steps after `--warmup` (> 1: faster); the
@@ -19,14 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from glm45v_fsdp.bench.deepspeed_api import initial_weights, run_trainer, run_worker, runner
+from glm45v_fsdp.bench.options import bench_command
+from glm45v_fsdp.bench.runner import Runner, errors, md_table, write_report
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_deepspeed import initial_weights, run_trainer, run_worker, runner
-from glm45v_fsdp.tools.bench_runner import Runner, errors, md_table, write_report
 
 DOORS = ("ds_compat", "trainer")
 DOOR_NAMES = {"deepspeed": "DeepSpeed", "ds_compat": "engine API (ds_compat)", "trainer": "trainer --deepspeed"}
@@ -102,7 +102,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def charts(report: dict[str, Any], runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """plots/parity_<dtype>_<door>.png: the loss comparison of each door against DeepSpeed."""
-    from glm45v_fsdp.tools.chart import loss_comparison_chart
+    from glm45v_fsdp.bench.charts import loss_comparison_chart
 
     def plot(dtype: str, door: str) -> Any:
         reference, test = runs[dtype]["deepspeed"]["losses"], runs[dtype][door]["losses"]
@@ -139,7 +139,7 @@ def run_parity(args: argparse.Namespace) -> dict[str, Any]:
         "zero": args.zero,
         "ranks": args.ranks,
         "warmup": args.warmup,
-        "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
+        "command": bench_command(args.argv),
         "wall_s": time.perf_counter() - started,
         "rows": rows,
         "notes": [
@@ -202,7 +202,7 @@ def main_parity(args: argparse.Namespace, argv: list[str]) -> int:
             "bench parity: the reference needs DeepSpeed: DS_BUILD_OPS=0 pip install --no-build-isolation "
             "'deepspeed>=0.19,<0.20' (CPU: DS_ACCELERATOR=cpu is set for the runs)."
         ) from None
-    from glm45v_fsdp.tools.chart import require_matplotlib
+    from glm45v_fsdp.bench.charts import require_matplotlib
 
     require_matplotlib()
     args.dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]

@@ -1,6 +1,6 @@
 """One run of `bench deepspeed`: a training script written against the DeepSpeed API, on transformers' tiny GLM-4.5V.
 
-`torchrun --nproc_per_node 2 -m glm45v_fsdp.tools.bench_deepspeed_worker --backend deepspeed|ds_compat --zero N
+`torchrun --nproc_per_node 2 -m glm45v_fsdp.bench.deepspeed_api_worker --backend deepspeed|ds_compat --zero N
 --out FILE`: the same script for both backends, the only difference is the import (`import deepspeed` or
 `import ds_compat as deepspeed`). The model is transformers' `Glm4vMoeForConditionalGeneration` (the tiny preset with
 `--text-layers` text layers, 8 routed experts, a 2-block vision tower), built with the same seed on every rank and
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from glm45v_fsdp.tools.bench_deepspeed import WORKLOAD, workload_overrides
+from glm45v_fsdp.bench.deepspeed_api import WORKLOAD, workload_overrides
 
 
 def ds_config(args: argparse.Namespace) -> dict:

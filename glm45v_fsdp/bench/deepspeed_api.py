@@ -1,7 +1,7 @@
 """`python -m glm45v_fsdp.tools.bench deepspeed`: one DeepSpeed workload on the real DeepSpeed and on both doors.
 
 The workload is transformers' tiny GLM-4.5V with the same weights and batches everywhere (bench_deepspeed_worker.py):
-  - deepspeed: the DeepSpeed-API script on the real DeepSpeed (`torchrun -m glm45v_fsdp.tools.bench_deepspeed_worker`);
+  - deepspeed: the DeepSpeed-API script on the real DeepSpeed (`torchrun -m glm45v_fsdp.bench.deepspeed_api_worker`);
   - ds_compat: the same script with `import ds_compat as deepspeed` (the engine API door);
   - trainer: our trainer behind `--deepspeed ds_config.json` (the same ds_config, the worker's initial weights loaded
     from an HF checkpoint, the same batches unshuffled);
@@ -27,9 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from glm45v_fsdp.bench.charts import bar_chart
+from glm45v_fsdp.bench.options import bench_command
+from glm45v_fsdp.bench.runner import Run, Runner, errors, torchrun_command, write_report
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_runner import Run, Runner, errors, torchrun_command, write_report
-from glm45v_fsdp.tools.chart import bar_chart
 
 BACKENDS = ("deepspeed", "ds_compat", "trainer")  # the reference, the engine API door, the trainer door
 DOORS = BACKENDS[1:]
@@ -37,7 +38,7 @@ PARITY_LIMIT = {"fp32": 1e-5, "bf16": 1e-2}
 BARE_GOAL = 0.8  # ZeRO-1/2: at least this share of the bare loop's per-rank rate
 
 
-# The workload's shape: the worker's defaults (tools/bench_deepspeed_worker.py); the trainer door runs the same.
+# The workload's shape: the worker's defaults (bench/deepspeed_api_worker.py); the trainer door runs the same.
 WORKLOAD = {"text_layers": 2, "text_tokens": 256, "image_size": 112}
 
 
@@ -82,8 +83,8 @@ def worker_command(args: argparse.Namespace, backend: str, zero: int, dtype: str
         arguments += [f"--{option.replace('_', '-')}={getattr(args, option)}"] if getattr(args, option, None) else []
     arguments += [*schedule_arguments(args), *extra_arguments(args)]
     if backend in ("bare", "alternate"):  # one process
-        return [sys.executable, "-m", "glm45v_fsdp.tools.bench_deepspeed_worker", *arguments]
-    return torchrun_command(args.ranks, "glm45v_fsdp.tools.bench_deepspeed_worker", arguments)
+        return [sys.executable, "-m", "glm45v_fsdp.bench.deepspeed_api_worker", *arguments]
+    return torchrun_command(args.ranks, "glm45v_fsdp.bench.deepspeed_api_worker", arguments)
 
 
 def runner(args: argparse.Namespace, bench: str) -> Runner:
@@ -93,7 +94,7 @@ def runner(args: argparse.Namespace, bench: str) -> Runner:
 def initial_weights(args: argparse.Namespace, runner: Runner, zero: int, dtype: str, directory: Path) -> Path:
     """The workload's initial weights (HF safetensors) and its ds_config, written by the worker for the trainer."""
     if not (directory / "ds_config.json").exists():
-        command = [sys.executable, "-m", "glm45v_fsdp.tools.bench_deepspeed_worker", "--backend=bare"]
+        command = [sys.executable, "-m", "glm45v_fsdp.bench.deepspeed_api_worker", "--backend=bare"]
         command += [f"--zero={zero}", f"--dtype={dtype}", f"--steps={args.steps}", f"--micro={args.micro}"]
         command += [f"--world-size={args.ranks}", f"--save-initial={directory}"]
         command += [*schedule_arguments(args), *extra_arguments(args)]
@@ -294,6 +295,35 @@ def run_worker(
     return run.results[0]
 
 
+def rotated_round(
+    args: argparse.Namespace,
+    bench: Runner,
+    sides: dict[str, str],
+    initial: Path,
+    case: tuple[str, int, str],
+    round_index: int,
+) -> dict[str, dict[str, Any]]:
+    """One round of a case's sides ({side: its label}), in an order rotated by the round so a drift in machine speed
+    hits every side alike. `case` = (its name in the run folders and labels, ZeRO stage, dtype). A DeepSpeed-API
+    side is one worker run; `trainer` is one trainer run, with its tracked peak from a separate 3-step run in the
+    first round."""
+    name, zero, dtype = case
+    found = {}
+    shift = round_index % len(sides)
+    order = list(sides)[shift:] + list(sides)[:shift]
+    for side in order:
+        run_dir = args.out / "runs" / f"{name}_{side}_r{round_index + 1}"
+        label = f"[round {round_index + 1}/{args.rounds}] {name} {sides[side]}"
+        if side == "trainer":
+            found[side] = run_trainer(args, bench, initial, run_dir, False, label)
+            if round_index == 0:
+                memory = run_trainer(args, bench, initial, run_dir / "memory", True, f"{label} memory")
+                found[side]["peak_bytes_max"] = memory["peak_bytes_max"]
+        else:
+            found[side] = run_worker(args, bench, side, zero, dtype, run_dir, label)
+    return found
+
+
 def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
     stages = [int(z) for z in args.zero.split(",")]
     dtypes = args.dtype.split(",")
@@ -315,18 +345,10 @@ def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
                 by_dtype[dtype].append(statistics.median(found["ms"][args.warmup :]))
         for (zero, dtype), by_backend in runs.items():
             initial = initial_weights(args, bench, zero, dtype, args.out / "initial" / f"zero{zero}_{dtype}")
-            shift = round_index % len(BACKENDS)
-            for backend in BACKENDS[shift:] + BACKENDS[:shift]:
-                run_dir = args.out / "runs" / f"zero{zero}_{dtype}_{backend}_r{round_index + 1}"
-                label = f"[round {round_index + 1}/{args.rounds}] ZeRO {zero} {dtype} {backend}"
-                if backend == "trainer":
-                    found = run_trainer(args, bench, initial, run_dir, False, label)
-                    if round_index == 0:
-                        memory = run_trainer(args, bench, initial, run_dir / "memory", True, f"{label} memory")
-                        found["peak_bytes_max"] = memory["peak_bytes_max"]
-                else:
-                    found = run_worker(args, bench, backend, zero, dtype, run_dir, label)
-                by_backend[backend].append(found)
+            case = (f"zero{zero}_{dtype}", zero, dtype)
+            found = rotated_round(args, bench, {backend: backend for backend in BACKENDS}, initial, case, round_index)
+            for backend in BACKENDS:
+                by_backend[backend].append(found[backend])
     rows = [
         row(zero, dtype, by_backend, references["bare"][dtype], references["ddp"][dtype], args)
         for (zero, dtype), by_backend in runs.items()
@@ -335,7 +357,7 @@ def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "deepspeed",
         "ranks": args.ranks,
         "rounds": args.rounds,
-        "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
+        "command": bench_command(args.argv),
         "rows": rows,
         "alone": [alone_row(dtype, runs, args) for dtype, runs in alone.items()],
         "notes": [

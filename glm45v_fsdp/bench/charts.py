@@ -222,8 +222,8 @@ def bar_chart(
 
 
 def relative_errors_pct(reference: Sequence[float], test: Sequence[float]) -> list[float]:
-    """Per step: |test - ref| / (|ref| + 1e-8) in percent, the benches' loss-parity measure (bench_runner's)."""
-    from glm45v_fsdp.tools.bench_runner import relative_errors
+    """Per step: |test - ref| / (|ref| + 1e-8) in percent, the benches' loss-parity measure (runner.py's)."""
+    from glm45v_fsdp.bench.runner import relative_errors
 
     return [100.0 * error for error in relative_errors(test, reference)]
 

@@ -1,6 +1,6 @@
 """`python -m glm45v_fsdp.tools.bench door`: the DeepSpeed engine door on GLM-4.5V beside the trainer door.
 
-The engine door is the DeepSpeed-API script of `bench deepspeed` (tools/bench_deepspeed_worker.py: transformers' tiny
+The engine door is the DeepSpeed-API script of `bench deepspeed` (bench/deepspeed_api_worker.py: transformers' tiny
 GLM-4.5V handed to `initialize` with `import ds_compat as deepspeed`, which builds it on the whole engine); the
 trainer door is `python -m glm45v_fsdp.train --deepspeed ds_config.json` on the same initial weights and batches.
 Both read one ds_config (ZeRO `--zero`, fp32) to which each case adds the keys that switch a plan:
@@ -19,14 +19,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
+from glm45v_fsdp.bench.charts import bar_chart
+from glm45v_fsdp.bench.deepspeed_api import add_run_arguments, initial_weights, rotated_round, run_worker, runner
+from glm45v_fsdp.bench.options import bench_command
+from glm45v_fsdp.bench.runner import errors, md_table, saving_pct, write_report
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_deepspeed import add_run_arguments, initial_weights, run_trainer, run_worker, runner
-from glm45v_fsdp.tools.bench_runner import errors, md_table, saving_pct, write_report
-from glm45v_fsdp.tools.chart import bar_chart
 
 CONTEXT_GOAL = 0.6  # a context-parallel case's peak per rank / the CP1 case's, at --context-tokens (as the trainer)
 DOORS = ("ds_compat", "trainer")
@@ -84,21 +84,9 @@ def run_case(args: argparse.Namespace, name: str, extra: dict[str, Any]) -> dict
     case_args = argparse.Namespace(**{**vars(args), "ds_extra": extra})
     bench = runner(case_args, "bench door")
     initial = initial_weights(case_args, bench, args.zero, DTYPE, args.out / "initial" / name)
-    runs: dict[str, list[dict]] = {door: [] for door in DOORS}
-    for round_index in range(args.rounds):
-        shift = round_index % len(DOORS)
-        for door in DOORS[shift:] + DOORS[:shift]:
-            run_dir = args.out / "runs" / f"{name}_{door}_r{round_index + 1}"
-            label = f"[round {round_index + 1}/{args.rounds}] {name} {DOOR_NAMES[door]}"
-            if door == "trainer":
-                found = run_trainer(case_args, bench, initial, run_dir, False, label)
-                if round_index == 0:
-                    memory = run_trainer(case_args, bench, initial, run_dir / "memory", True, f"{label} memory")
-                    found["peak_bytes_max"] = memory["peak_bytes_max"]
-            else:
-                found = run_worker(case_args, bench, door, args.zero, DTYPE, run_dir, label)
-            runs[door].append(found)
-    return runs
+    case = (name, args.zero, DTYPE)
+    rounds = [rotated_round(case_args, bench, DOOR_NAMES, initial, case, i) for i in range(args.rounds)]
+    return {door: [found[door] for found in rounds] for door in DOORS}
 
 
 def row(name: str, extra: dict[str, Any], runs: dict[str, list[dict]], warmup: int) -> dict[str, Any]:
@@ -212,7 +200,7 @@ def run_door_bench(args: argparse.Namespace) -> dict[str, Any]:
         "ranks": args.ranks,
         "zero": args.zero,
         "rounds": args.rounds,
-        "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
+        "command": bench_command(args.argv),
         "rows": list(rows.values()),
         "chunk_saving": chunk_saving(rows) if rows else {},
         "context_tokens": args.context_tokens,

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glm45v_fsdp.bench.memory import RUNS, run_overrides
+from glm45v_fsdp.bench.options import add_run_options, bench_command, settle
+from glm45v_fsdp.bench.runner import Run, Runner, md_table, write_report
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_memory import RUNS, run_overrides
-from glm45v_fsdp.tools.bench_runner import Run, Runner, md_table, write_report
 
 GIB = 2**30
 # bench memory's CP rows: the Recompute shape with static chunked loss and recompute, CP n at the same global batch
@@ -101,7 +101,7 @@ def report(args: argparse.Namespace, searches: list[Search]) -> dict[str, Any]:
         "budget_mib": args.budget_mib,
         "start": args.start,
         "steps": args.steps,
-        "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
+        "command": bench_command(args.argv),
         "rows": rows,
         "searches": [asdict(found) for found in searches],
     }
@@ -148,10 +148,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--steps", type=int, default=3, help="training steps per run")
     parser.add_argument("--text-layers", type=int, default=6, help="text decoder layers")
     parser.add_argument("--images", type=int, default=16, help="synthetic images per sample")
-    parser.add_argument("--out", type=Path, default=Path("output/bench/longest"), help="output directory")
-    parser.add_argument("--run-timeout", type=float, default=None, help="seconds allowed per training run")
-    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default: 1 on cpu)")
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides for every run (applied last)")
+    add_run_options(parser, Path("output/bench/longest"), threads_help="OMP_NUM_THREADS per rank (default: 1 on cpu)")
 
 
 def main_longest(args: argparse.Namespace, argv: list[str], measure=None) -> int:
@@ -167,9 +164,7 @@ def main_longest(args: argparse.Namespace, argv: list[str], measure=None) -> int
         raise UserError(f"bench longest: --ranks {args.ranks} is not a multiple of the cp size of {unfit}.")
     if args.start < 1 or args.max_tokens < args.start or args.budget_mib <= 0:
         raise UserError("bench longest: need --start >= 1, --max-tokens >= --start and --budget-mib > 0.")
-    args.argv = argv
-    if args.threads is None and args.device == "cpu":
-        args.threads = 1
+    settle(args, argv, args.device)
     measure = measure or training_measure(args)
     searches = [search(layout, args, measure) for layout in layouts]
     result = report(args, searches)

@@ -1,8 +1,8 @@
 """The one runner behind the `bench` subcommands: it starts each training run in its own process, reads the run's
 `metrics.jsonl`, computes the statistics every report uses and writes a report's markdown, JSON and charts.
 
-The subcommands (`bench_memory`, `bench_ep`, `bench_longest`, `bench_deepspeed`, `bench_ops`, `bench_matrix`,
-`bench_parity`) only say which runs to make and which rows to compare; how a run is started, timed and read, what a
+The scenarios (this package's `memory`, `ep`, `longest`, `deepspeed_api`, `door`, `ops`, `matrix`, `parity`,
+`plan_validation`) only say which runs to make and which rows to compare; how a run is started, timed and read, what a
 loss error, a percentile, a saving or a throughput change is, and how the outputs are written, lives here once.
 
 Definitions (the reference report's §3.3):

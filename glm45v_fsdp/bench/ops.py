@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from glm45v_fsdp.bench.runner import Run, Runner, errors, write_report
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.model.moe import LocalDispatcher
 from glm45v_fsdp.ops import reference
@@ -30,7 +31,6 @@ from glm45v_fsdp.ops.kernels import KERNELS
 from glm45v_fsdp.ops.registry import choose_ops
 from glm45v_fsdp.ops.verify import relative_error
 from glm45v_fsdp.runtime.device import import_torch_npu
-from glm45v_fsdp.tools.bench_runner import Run, Runner, errors, write_report
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_runner import (
+from glm45v_fsdp.bench.options import add_run_options, announce_failures, bench_command, check_counts, settle
+from glm45v_fsdp.bench.runner import (
     PARITY_LIMIT,
     Run,
     Runner,
@@ -41,6 +40,7 @@ from glm45v_fsdp.tools.bench_runner import (
     run_figures,
     write_report,
 )
+from glm45v_fsdp.errors import UserError
 
 OFFLOAD_KEY = "features.activation_offload.enabled"
 
@@ -372,7 +372,7 @@ def notes(args: argparse.Namespace, runs: dict[str, Run], memory_kind: str) -> l
 
 
 def chart(report: dict[str, Any], path: Path) -> None:
-    from glm45v_fsdp.tools.chart import bar_chart
+    from glm45v_fsdp.bench.charts import bar_chart
 
     bar_chart(
         [(row["label"], row["peak_max_gib"]) for row in report["rows"]],
@@ -428,7 +428,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "threads": args.threads,
         "memory_kind": memory_kind,
-        "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
+        "command": bench_command(args.argv),
         "rows": rows,
         "notes": notes(args, runs, memory_kind),
         "runs": figures,
@@ -467,30 +467,17 @@ def add_parser(sub: Any) -> None:
         metavar="A,B,...",
         help=f"comma-separated rows to measure, in order (default: all that fit --ranks): {','.join(SWITCHES)}",
     )
-    parser.add_argument("--out", type=Path, default=Path("output/bench/memory"), help="output directory")
-    parser.add_argument("--run-timeout", type=float, default=None, help="seconds allowed per training run")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="OMP_NUM_THREADS of each training process (default: 1 with --device cpu, else inherited). On a "
+    add_run_options(
+        parser,
+        Path("output/bench/memory"),
+        threads_help="OMP_NUM_THREADS of each training process (default: 1 with --device cpu, else inherited). On a "
         "shared CPU machine, 2+ threads per process turn other load into spin-waits that multiply a step's time "
         "at random (measured: 2 s steps becoming 8-15 s); one thread keeps the pairs comparable",
     )
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides for every run (applied last)")
 
 
 def main_memory(args: argparse.Namespace, argv: list[str]) -> int:
-    for key in ("ranks", "steps", "repeats", "tokens", "vocab", "text_layers", "images"):
-        if getattr(args, key) < 1:
-            raise UserError(f"bench memory: --{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}.")
-    if not 0 <= args.warmup < args.steps:
-        raise UserError(f"bench memory: --warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}.")
-    args.argv = argv
-    if args.threads is None and args.device == "cpu":
-        args.threads = 1
-    report = run_memory(args)
-    failed = [row["label"] for row in report["rows"] if not row["pass"]]
-    if failed:
-        print(f"bench memory: below target: {', '.join(failed)}")
+    check_counts("memory", args, ("ranks", "steps", "repeats", "tokens", "vocab", "text_layers", "images"))
+    settle(args, argv, args.device)
+    announce_failures("memory", run_memory(args)["rows"])
     return 0

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.tools.bench_memory import common_overrides
-from glm45v_fsdp.tools.bench_runner import (
+from glm45v_fsdp.bench.memory import common_overrides
+from glm45v_fsdp.bench.options import add_run_options, announce_failures, bench_command, check_counts, settle
+from glm45v_fsdp.bench.runner import (
     PARITY_LIMIT,
     Run,
     Runner,
@@ -44,6 +43,7 @@ from glm45v_fsdp.tools.bench_runner import (
     run_figures,
     write_report,
 )
+from glm45v_fsdp.errors import UserError
 
 MIB = 2**20
 
@@ -260,7 +260,7 @@ def notes(args: argparse.Namespace, runs: dict[str, Run], figures: dict[str, dic
 
 
 def chart(report: dict[str, Any], path: Path) -> None:
-    from glm45v_fsdp.tools.chart import bar_chart
+    from glm45v_fsdp.bench.charts import bar_chart
 
     groups, chart_notes = [], []
     for row in report["rows"]:
@@ -301,7 +301,7 @@ def run_ep(args: argparse.Namespace) -> dict[str, Any]:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "threads": args.threads,
-        "command": [sys.executable, "-m", "glm45v_fsdp.tools.bench", *args.argv],
+        "command": bench_command(args.argv),
         "rows": [compare(row, figures[row.off], figures[row.on], args) for row in rows],
         "notes": notes(args, runs, figures),
         "runs": figures,
@@ -350,27 +350,17 @@ def add_parser(sub: Any) -> None:
         default=3.0,
         help="balance on the model's own routing: allowed ms/iter increase over balance off (%%)",
     )
-    parser.add_argument("--out", type=Path, default=Path("output/bench/ep"), help="output directory")
-    parser.add_argument("--run-timeout", type=float, default=None, help="seconds allowed per training run")
-    parser.add_argument(
-        "--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default: 1 with --device cpu)"
+    add_run_options(
+        parser, Path("output/bench/ep"), threads_help="OMP_NUM_THREADS per rank (default: 1 with --device cpu)"
     )
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides for every run (applied last)")
 
 
 def main_ep(args: argparse.Namespace, argv: list[str]) -> int:
-    for key in ("steps", "repeats", "tokens", "hidden", "text_layers", "experts", "top_k", "moe_intermediate"):
-        if getattr(args, key) < 1:
-            raise UserError(f"bench ep: --{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}.")
-    if not 0 <= args.warmup < args.steps:
-        raise UserError(f"bench ep: --warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}.")
+    check_counts(
+        "ep", args, ("steps", "repeats", "tokens", "hidden", "text_layers", "experts", "top_k", "moe_intermediate")
+    )
     if args.experts % args.ranks:
         raise UserError(f"bench ep: --experts {args.experts} must be a multiple of --ranks {args.ranks}.")
-    args.argv = argv
-    if args.threads is None and args.device == "cpu":
-        args.threads = 1
-    report = run_ep(args)
-    failed = [row["label"] for row in report["rows"] if not row["pass"]]
-    if failed:
-        print(f"bench ep: below target: {', '.join(failed)}")
+    settle(args, argv, args.device)
+    announce_failures("ep", run_ep(args)["rows"])
     return 0
