@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +35,38 @@ EXTENSIONS_DIR = Path(os.environ[_SESSION_DIR_VARIABLE])
 os.environ["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS_DIR)
 
 
+# The CPU ops the real DeepSpeed JIT-builds into that directory on their first use, by the module that uses them first:
+# bench parity's DeepSpeed runs all-reduce over its shared-memory op, the HF Trainer's references step its fused_adam
+# (~40 and ~60 CPU-s to build).
+_JIT_OPS = {"test_bench_parity.py": "ShareMemCommBuilder", "test_hf_integration.py": "FusedAdamBuilder"}
+_jit_build: subprocess.Popen | None = None
+
+
+def pytest_collection_finish(session) -> None:
+    """The session builds the ops its tests will use at its start, in the order they need them, in the background
+    at the lowest priority: the builds take the cores the tests before leave idle instead of holding up the first run
+    that uses them (which waits for a build in progress on torch's build lock). None after test_hf_integration's: it
+    checks that its references build no shm op, and a build under way would look like theirs."""
+    global _jit_build
+    users = list(dict.fromkeys(item.path.name for item in session.items if item.path.name in _JIT_OPS))
+    if "test_hf_integration.py" in users:
+        users = users[: users.index("test_hf_integration.py") + 1]
+    if session.config.option.collectonly or not users:
+        return
+    build = "import sys, deepspeed.ops.op_builder as ops\nfor name in sys.argv[1:]:\n    getattr(ops, name)().load()"
+    _jit_build = subprocess.Popen(
+        ["nice", "-n", "19", sys.executable, "-c", build, *(_JIT_OPS[user] for user in users)],
+        env={**clean_env(), "DS_ACCELERATOR": "cpu"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        process_group=0,  # its compiler processes end with it
+    )
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
+    if _jit_build is not None and _jit_build.poll() is None:
+        os.killpg(_jit_build.pid, signal.SIGKILL)
+        _jit_build.wait()
     if _OWNS_EXTENSIONS_DIR:
         shutil.rmtree(EXTENSIONS_DIR, ignore_errors=True)
 

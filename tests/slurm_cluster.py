@@ -32,6 +32,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _tool(name: str) -> str | None:
     for folder in ("/usr/sbin", "/usr/bin", "/sbin", "/bin"):
         if Path(folder, name).is_file():
@@ -198,19 +206,18 @@ class SlurmCluster:
         )
 
     def stop(self) -> None:
+        """SIGTERM every daemon at once (each takes 1-2 s to exit), SIGKILL those left after 10 s."""
+        pids = []
         for name in reversed(list(self.pid_files)):
-            path = self.pid_files[name]
             try:
-                pid = int(path.read_text().split()[0])
+                pid = int(self.pid_files[name].read_text().split()[0])
                 os.kill(pid, signal.SIGTERM)
             except (OSError, ValueError, IndexError):
                 continue
-            deadline = time.time() + 10
-            while time.time() < deadline:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.1)
-            else:
-                os.kill(pid, signal.SIGKILL)
+            pids.append(pid)
+        deadline = time.time() + 10
+        while pids and time.time() < deadline:
+            time.sleep(0.1)
+            pids = [pid for pid in pids if _alive(pid)]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import train, train_many
+from conftest import python, train, train_many
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -177,18 +176,8 @@ def test_expert_parallel_saves_global_expert_tensors_and_exports_unchanged(runs,
     experts = [k for k in tensors["ep2"] if k.endswith("mlp.experts.gate_up_proj")]
     assert experts and all(tensors["ep2"][k].shape == tensors["ep1"][k].shape for k in tensors["ep1"])
     converted = tmp_path / "converted"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "glm45v_fsdp.tools.convert",
-            "dcp-to-hf",
-            str(runs.root / "save2ep" / step12),
-            str(converted),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    result = python(
+        ["-m", "glm45v_fsdp.tools.convert", "dcp-to-hf", str(runs.root / "save2ep" / step12), str(converted)],
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]

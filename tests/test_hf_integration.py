@@ -24,6 +24,7 @@ import site
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -444,22 +445,26 @@ def pretrained(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory, pretrained, venv_python) -> dict[int, dict]:
-    """Per ZeRO stage: DeepSpeed's run, ours (ZeRO 3 in a virtualenv without DeepSpeed) and ours resumed."""
-    runs = {}
-    for zero in (2, 3):
-        root = tmp_path_factory.mktemp(f"trainer_zero{zero}")
+    """Per ZeRO stage: DeepSpeed's run, ours (ZeRO 3 in a virtualenv without DeepSpeed) and ours resumed. The two
+    stages run at once: a launch of 2 ranks keeps about one core of two busy."""
+    roots = {zero: tmp_path_factory.mktemp(f"trainer_zero{zero}") for zero in (2, 3)}
+
+    def stage(zero: int) -> dict:
+        root = roots[zero]
         flags = ["--zero", str(zero), "--pretrained", str(pretrained)]
         launch("deepspeed", TRAINER_SCRIPT, root / "deepspeed", *flags)
         python = venv_python if zero == 3 else sys.executable
         log = launch("ds-fsdp", TRAINER_SCRIPT, root / "ours", *flags, python=python)
         launch("ds-fsdp", TRAINER_SCRIPT, root / "ours", *flags, "--resume", python=python)
-        runs[zero] = {
+        return {
             "root": root,
             "log": log,
             **{name: json.loads((root / name / "result.json").read_text()) for name in ("deepspeed", "ours")},
             "resumed": json.loads((root / "ours" / "resumed.json").read_text()),
         }
-    return runs
+
+    with ThreadPoolExecutor(len(roots)) as pool:
+        return dict(zip(roots, pool.map(stage, roots)))
 
 
 @pytest.mark.parametrize("zero", [2, 3])
@@ -489,9 +494,12 @@ def test_hf_trainer_matches_deepspeed_through_ds_fsdp(trainer_runs, zero):
 
 def test_accelerate_loop_matches_deepspeed_through_ds_fsdp(tmp_path, pretrained):
     flags = ["--zero", "2", "--pretrained", str(pretrained)]
-    launch("deepspeed", LOOP_SCRIPT, tmp_path / "deepspeed", *flags)
-    log = launch("ds-fsdp", LOOP_SCRIPT, tmp_path / "ours", *flags)
-    launch("ds-fsdp", LOOP_SCRIPT, tmp_path / "ours", *flags, "--resume")
+    with ThreadPoolExecutor(1) as pool:  # DeepSpeed's run, then the offload one, beside ours and its resume
+        reference_run = pool.submit(launch, "deepspeed", LOOP_SCRIPT, tmp_path / "deepspeed", *flags)
+        log = launch("ds-fsdp", LOOP_SCRIPT, tmp_path / "ours", *flags)
+        offload_run = pool.submit(launch, "ds-fsdp", LOOP_SCRIPT, tmp_path / "offload", *flags, "--offload")
+        launch("ds-fsdp", LOOP_SCRIPT, tmp_path / "ours", *flags, "--resume")
+        reference_run.result(), offload_run.result()
     reference = json.loads((tmp_path / "deepspeed" / "result.json").read_text())["losses"]
     ours = json.loads((tmp_path / "ours" / "result.json").read_text())["losses"]
     resumed = json.loads((tmp_path / "ours" / "resumed.json").read_text())["losses"]
@@ -499,6 +507,5 @@ def test_accelerate_loop_matches_deepspeed_through_ds_fsdp(tmp_path, pretrained)
     assert len(ours) == len(reference) == 10 and mean_relative_error(ours, reference) <= 1e-5
     assert resumed == pytest.approx(ours[5:], rel=1e-6)  # save_state after step 5, load_state in a fresh launch
     # offload_optimizer with a client AdamW: accelerate swaps in deepspeed.ops.adam.DeepSpeedCPUAdam
-    launch("ds-fsdp", LOOP_SCRIPT, tmp_path / "offload", *flags, "--offload")
     offload = json.loads((tmp_path / "offload" / "result.json").read_text())
     assert offload["optimizer"] == "DeepSpeedCPUAdam" and mean_relative_error(offload["losses"], reference) <= 1e-5

@@ -4,13 +4,12 @@ first-call check, and the tiny model trained 10 steps on the NPU path against th
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, clean_env
+from conftest import trainer
 from npu_standin import StandInTorchNpu
 from transformers.models.glm4v_moe import modeling_glm4v_moe as hf
 
@@ -333,18 +332,15 @@ def test_tiny_model_trains_on_the_npu_path_like_the_reference(npu, packing):
 
 
 def test_trainer_logs_the_ops_and_honours_model_ops(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "glm45v_fsdp.train",
+    argv = [
         "training.train_iters=2",
         f"training.output_dir={tmp_path}",
         "training.progress_bar=false",
         "model.ops={experts: reference}",
     ]
-    result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    result = trainer(argv, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ops (model.ops={'experts': 'reference'}, cpu): rms_norm: reference" in result.stdout
     assert "experts=loop" in result.stdout  # the model line: the per-expert loop ran
-    bad = subprocess.run(command[:-1] + ["model.ops=fast"], cwd=REPO, env=clean_env(), capture_output=True, text=True)
+    bad = trainer(argv[:-1] + ["model.ops=fast"])
     assert bad.returncode == 2 and "'model.ops' = 'fast'" in bad.stderr and "Traceback" not in bad.stderr

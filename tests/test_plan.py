@@ -30,18 +30,34 @@ def run_preflight(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+DS_EXAMPLE = REPO / "configs" / "ds_config_glm45v_106b_sft.json"
+SEARCHES = {
+    "910b": [*JOB, "--device", "910b", "--json", "--top", "20"],
+    "h100": [*JOB, "--device", "h100", "--json", "--top", "20"],
+    "deepspeed": [*JOB, "--device", "910b", "--json", "--deepspeed", str(DS_EXAMPLE)],
+}
+
+
 @pytest.fixture(scope="module")
-def searched() -> dict:
-    """One search on 910B and one on H100 (JSON), shared by the tests below."""
+def searches(tmp_path_factory) -> dict:
+    """The JSON reports of the searches the tests below share, started at once (each is one busy process)."""
+    out = tmp_path_factory.mktemp("searches")
+    started = {}
+    for name, argv in SEARCHES.items():
+        with (out / f"{name}.json").open("w") as stdout, (out / f"{name}.err").open("w") as stderr:
+            started[name] = subprocess.Popen([sys.executable, "-m", "glm45v_fsdp.tools.plan", *argv], cwd=REPO,
+                                             env=clean_env(), stdout=stdout, stderr=stderr, text=True)  # fmt: skip
     found = {}
-    for device in ("910b", "h100"):
-        result = subprocess.run(
-            [sys.executable, "-m", "glm45v_fsdp.tools.plan", *JOB, "--device", device, "--json", "--top", "20"],
-            cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
-        found[device] = json.loads(result.stdout)
+    for name, process in started.items():
+        assert process.wait(timeout=600) == 0, (out / f"{name}.err").read_text()[-3000:]
+        found[name] = json.loads((out / f"{name}.json").read_text())
     return found
+
+
+@pytest.fixture(scope="module")
+def searched(searches) -> dict:
+    """One search on 910B and one on H100 (JSON), shared by the tests below."""
+    return {device: searches[device] for device in ("910b", "h100")}
 
 
 def test_search_ranks_fitting_layouts_and_places_the_config_layout(searched):
@@ -118,7 +134,7 @@ def test_calibrate_and_validate_run_here(tmp_path, capsys):
     assert device["fp32_tflops"] > 0 and device["intra_gbps"] > 0 and device["intra_latency_us"] > 0
     assert device["overlap"] is False and device["devices_per_node"] == 2
     code, out, err = run_plan(capsys, "--validate", "--calibration", str(calibration), "--steps", "3",
-                              "--out", str(tmp_path / "validate"))  # fmt: skip
+                              "--repeats", "1", "--out", str(tmp_path / "validate"))  # fmt: skip
     assert code == 0, err
     report = json.loads((tmp_path / "validate" / "plan_validate.json").read_text())
     assert len(report["rows"]) == 6
@@ -127,7 +143,6 @@ def test_calibrate_and_validate_run_here(tmp_path, capsys):
 
 
 # --deepspeed: the layout a ds_config runs (translated as `python -m glm45v_fsdp.train --deepspeed` translates it)
-DS_EXAMPLE = REPO / "configs" / "ds_config_glm45v_106b_sft.json"
 TINY_JOB = ["--nodes", "1", "--nproc-per-node", "4", "--unit-mib", "default", "--json"]
 
 
@@ -137,14 +152,8 @@ def write_ds_config(path, **sections) -> str:
 
 
 @pytest.fixture(scope="module")
-def ds_example() -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "glm45v_fsdp.tools.plan", *JOB, "--device", "910b", "--json",
-         "--deepspeed", str(DS_EXAMPLE)],
-        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+def ds_example(searches) -> dict:
+    return searches["deepspeed"]
 
 
 def test_deepspeed_example_runs_the_best_layout(searched, ds_example):
@@ -248,3 +257,4 @@ def test_deepspeed_bad_config_is_the_trainer_doors_error(tmp_path, capsys):
     assert code == 2 and "--global-batch 8 differs from the global batch 4" in err
     code, _, err = run_plan(capsys, *TINY_JOB, "--deepspeed", ds, "--explain", "ep1")
     assert code == 2 and "pass one of them" in err
+
