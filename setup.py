@@ -57,7 +57,8 @@ setup(
         # mindstudio-probe (import msprobe): Ascend's CPU implementations of fused NPU ops, the independent
         # reference the tests' stand-in torch_npu is checked against (tests/test_ops.py); matplotlib: the benchmark
         # charts (tests/test_chart.py, tests/test_bench.py); trl: TRL's SFTTrainer through the DeepSpeed door
-        # (tests/test_glm_door_trl.py)
+        # (tests/test_glm_door_trl.py); av: the video decoding tests (tests/test_video_decode.py builds its files with
+        # PyAV 18's encoder API); datasets: data.dataset=hf (tests/test_hf_datasets.py)
         "test": [
             "pytest>=8,<10",
             "ruff>=0.5",
@@ -66,8 +67,14 @@ setup(
             "mindstudio-probe>=26.2,<27",
             "matplotlib>=3.7",
             "trl>=1.16,<2",
+            "datasets>=3",
+            "av>=18",
         ],
         "tensorboard": ["tensorboard>=2.14"],
+        # PyAV: decoding the video files of data records (glm45v_fsdp/data/video.py)
+        "video": ["av>=12"],
+        # Hugging Face `datasets`: data.dataset=hf (glm45v_fsdp/data/hf_datasets.py)
+        "hf": ["datasets>=3"],
         # the PNG charts of `python -m glm45v_fsdp.tools.bench` (glm45v_fsdp/bench/charts.py)
         "bench": ["matplotlib>=3.7"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],

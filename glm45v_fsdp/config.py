@@ -46,11 +46,16 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    dataset: Literal["synthetic", "json"] = "synthetic"
-    # LLaVA / ShareGPT-style .json or .jsonl file (dataset=json).
+    dataset: Literal["synthetic", "json", "hf"] = "synthetic"
+    # dataset=json: a LLaVA / ShareGPT-style .json or .jsonl file. dataset=hf: a local Hugging Face `datasets` data set
+    # with the same record columns (a save_to_disk directory, a .parquet file or directory, an .arrow file or
+    # directory; never downloaded).
     data_path: str | None = None
-    # Directory image paths in the records are relative to (default: the data file's directory).
+    # Directory image and video paths in the records are relative to (default: the data file's directory; for
+    # dataset=hf and a directory, that directory).
     image_root: str | None = None
+    # dataset=hf: the split taken from a data set with splits (a saved DatasetDict, parquet files named by split).
+    hf_split: str = "train"
     cutoff_len: int = 1024
     packing: bool = False
     shuffle: bool = True
@@ -59,6 +64,19 @@ class DataConfig:
     synthetic_text_tokens: int = 64
     synthetic_images_per_sample: int = 1
     synthetic_image_size: int = 56
+    # Every sample i with i % synthetic_video_every == synthetic_video_every - 1 also holds a short synthetic video (a
+    # shape moving over synthetic_video_frames frames at 2 fps), so the default run trains the video path; 0: none.
+    synthetic_video_every: int = 4
+    synthetic_video_frames: int = 4
+    # Videos (records' "videos"): frames sampled at video_fps per second of the stream (transformers'
+    # Glm4vVideoProcessor default, 2), at most video_max_frames of them (chosen evenly; LLaMA-Factory's video_maxlen
+    # default, 128), each frame downscaled to at most video_max_pixels (LLaMA-Factory's default, 256 x 256). A video
+    # longer than video_max_seconds, or whose decode takes longer than video_decode_timeout_s, is a bad record.
+    video_fps: float = 2.0
+    video_max_frames: int = 128
+    video_max_pixels: int = 65_536
+    video_max_seconds: float = 3600.0
+    video_decode_timeout_s: float = 60.0
     # A record that cannot be trained on (broken structure, an unreadable, truncated, empty or oversized image,
     # nothing supervised after truncation), found when the data set is built: stop names the first one before
     # step 1; skip trains without every such record and logs each (their count is in the log and the summary).
@@ -668,16 +686,42 @@ def validate(config: Config) -> None:
     check_ops_setting(config.model.ops)
     _require(d.max_image_pixels >= 1, "data.max_image_pixels", d.max_image_pixels, "a positive pixel count")
     _require(d.synthetic_image_size >= 28, "data.synthetic_image_size", d.synthetic_image_size, ">= 28 pixels")
+    _require(d.synthetic_video_every >= 0, "data.synthetic_video_every", d.synthetic_video_every, ">= 0 (0: no videos)")
+    _require(d.synthetic_video_frames >= 1, "data.synthetic_video_frames", d.synthetic_video_frames, ">= 1")
+    _require(d.video_fps > 0, "data.video_fps", d.video_fps, "frames per second > 0")
+    _require(
+        d.video_max_frames >= 2 and d.video_max_frames % 2 == 0,
+        "data.video_max_frames",
+        d.video_max_frames,
+        "an even integer >= 2 (the vision tower takes frames in pairs)",
+    )
+    _require(d.video_max_pixels >= 28 * 28, "data.video_max_pixels", d.video_max_pixels, ">= 784 (28 x 28) pixels")
+    _require(d.video_max_seconds > 0, "data.video_max_seconds", d.video_max_seconds, "seconds > 0")
+    _require(d.video_decode_timeout_s > 0, "data.video_decode_timeout_s", d.video_decode_timeout_s, "seconds > 0")
     if d.dataset == "json":
         _require(d.data_path is not None, "data.data_path", d.data_path, "set when data.dataset is 'json'")
+    elif d.dataset == "hf":
+        _require(
+            d.data_path is not None,
+            "data.data_path",
+            d.data_path,
+            "set when data.dataset is 'hf' (a save_to_disk directory, a .parquet file or directory, an .arrow file)",
+        )
     else:
         for key in ("data_path", "image_root"):
             if getattr(d, key) is not None:
                 raise ConfigError(
                     f"Config key 'data.{key}' = {getattr(d, key)!r} is set, but data.dataset is 'synthetic', which "
                     f"reads no file: the run would train on built-in synthetic data. Set data.dataset=json to train "
-                    f"on the file, or remove data.{key}."
+                    f"on the file (.json or .jsonl), or data.dataset=hf (a Hugging Face data set), or remove "
+                    f"data.{key}."
                 )
+    _require(bool(d.hf_split.strip()), "data.hf_split", d.hf_split, "a split name, e.g. 'train'")
+    if d.dataset != "hf" and d.hf_split != "train":
+        raise ConfigError(
+            f"Config key 'data.hf_split' = {d.hf_split!r} is set, but data.dataset is '{d.dataset}', which has no "
+            f"splits: only data.dataset=hf reads one. Set data.dataset=hf, or remove data.hf_split."
+        )
     for key in ("data_parallel_replicate_size", "ulysses_parallel_size", "ring_attention_size", "expert_parallel_size"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "an integer >= 1")
     _require(bool(p.ep_plan.apply_modules), "parallel.ep_plan.apply_modules", [], "a non-empty list of patterns")

@@ -303,6 +303,56 @@ def parity_off(tmp_path_factory) -> Callable[[int], list[dict]]:
 
 
 @pytest.fixture(scope="session")
+def hf_config():
+    """A tiny GLM-4.5V (test_data, test_video): head_dim 16, rotary dim 8, so mrope_section sums to 4."""
+    from transformers import Glm4vMoeConfig
+
+    from glm45v_fsdp.data import vocab
+
+    return Glm4vMoeConfig(
+        text_config={
+            "vocab_size": vocab.TINY_VOCAB_SIZE,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "max_position_embeddings": 1024,
+            "pad_token_id": vocab.PAD_TOKEN_ID,
+            "eos_token_id": vocab.EOS_TOKEN_ID,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 1, 1],
+                "partial_rotary_factor": 0.5,
+            },
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "image_size": 56,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+        },
+        image_token_id=vocab.IMAGE_TOKEN_ID,
+        video_token_id=vocab.VIDEO_TOKEN_ID,
+        image_start_token_id=vocab.IMAGE_START_TOKEN_ID,
+        image_end_token_id=vocab.IMAGE_END_TOKEN_ID,
+        video_start_token_id=vocab.VIDEO_START_TOKEN_ID,
+        video_end_token_id=vocab.VIDEO_END_TOKEN_ID,
+    )
+
+
+@pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """A real single-node Slurm cluster (tests/slurm_cluster.py) for the session; fails, never skips, when the
     packages or root are missing."""

@@ -153,6 +153,7 @@ def test_every_enum_value_reads_as_written_from_files_and_overrides(tmp_path):
     assert len(keys) >= 10 and ("features.chunk_loss.mode", ("off", "static", "dynamic")) in keys
     needs = {  # what makes the rest of the config valid
         ("data.dataset", "json"): ["data.data_path=d.json"],
+        ("data.dataset", "hf"): ["data.data_path=d"],
         ("training.load_format", "hf"): ["training.load=ckpt"],
         ("training.load_format", "dcp"): ["training.load=ckpt"],
         ("training.load_format", "deepspeed"): ["training.load=ckpt"],

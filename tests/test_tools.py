@@ -369,9 +369,12 @@ def test_activation_formula_matches_saved_tensors_of_a_bf16_forward():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+VIDEO_KEYS = {"pixel_values_videos", "video_grid_thw"}
+
+
 def test_dump_writes_forward_inputs_that_transformers_takes(tmp_path):
     hf_config = load_hf_config(ModelConfig())
-    dataset, pad = _tiny_data(hf_config)
+    dataset, pad = _tiny_data(hf_config, synthetic_video_every=0)  # images only; videos in the next test
     batches = [collate([dataset[0], dataset[1]], pad), collate([dataset[2], dataset[3]], pad, packing=True)]
     batches.append(collate([dataset[4]], pad))
     stale = dump_path(tmp_path, 0, 7)
@@ -384,8 +387,8 @@ def test_dump_writes_forward_inputs_that_transformers_takes(tmp_path):
     assert files == ["rank0_micro0.pt", "rank0_micro1.pt"]  # the stale file and the third batch are not there
 
     padded, packed = (torch.load(dump_path(tmp_path, 0, k), weights_only=True) for k in range(2))
-    assert set(padded) == set(MODEL_KEYS)
-    assert set(packed) == set(MODEL_KEYS) - {"attention_mask"} and packed["position_ids"].shape[0] == 4
+    assert set(padded) == set(MODEL_KEYS) - VIDEO_KEYS
+    assert set(packed) == set(MODEL_KEYS) - VIDEO_KEYS - {"attention_mask"} and packed["position_ids"].shape[0] == 4
     assert torch.equal(padded["input_ids"], batches[0]["input_ids"])
 
     model = build_meta_model(hf_config)
@@ -399,6 +402,32 @@ def test_dump_writes_forward_inputs_that_transformers_takes(tmp_path):
 
     with pytest.raises(KeyError, match="new_key"):
         BatchDumper(tmp_path / "other", 0, 1).dump({**batches[0], "new_key": torch.zeros(1)})
+
+
+def test_dump_holds_the_video_tensors_and_transformers_takes_them(tmp_path, capsys):
+    """Video-only samples (transformers' forward scatters image features over a video's tokens too, so a sample
+    with both only runs through ours): the dump holds the video tensors, transformers' loss on the dump equals ours on
+    the batch, and compare-batches names a changed video patch."""
+    hf_config = load_hf_config(ModelConfig())
+    dataset, pad = _tiny_data(hf_config, synthetic_images_per_sample=0, synthetic_video_every=1)
+    batch = collate([dataset[0], dataset[1]], pad)
+    BatchDumper(tmp_path / "a", rank=0, count=1).dump(batch)
+    dumped = torch.load(dump_path(tmp_path / "a", 0, 0), weights_only=True)
+    assert set(dumped) == set(MODEL_KEYS) - {"pixel_values", "image_grid_thw"}
+    assert dumped["video_grid_thw"].shape == (2, 3) and int((dumped["mm_token_type_ids"] == 2).sum()) > 0
+    model = build_meta_model(hf_config)
+    materialize(model, torch.device("cpu"), 0)
+    reference = Glm4vMoeForConditionalGeneration(hf_config)
+    reference.load_state_dict(model.state_dict(), strict=True)
+    loss_sum, tokens = model_loss_sum(model, batch)
+    torch.testing.assert_close(reference(**dumped, use_cache=False).loss, loss_sum / tokens)
+
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    dumped["pixel_values_videos"][5, 7] += 1.0
+    torch.save(dumped, dump_path(tmp_path / "b", 0, 0))
+    assert compare_batches.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    out = capsys.readouterr().out
+    assert "pixel_values_videos: first difference at index [5, 7]" in out and "video_grid_thw: equal" in out
 
 
 def test_compare_batches_reports_the_first_differing_token(tmp_path, capsys):

@@ -15,11 +15,12 @@ from glm45v_fsdp.data.vocab import IGNORE_INDEX, supervised_token_count
 BATCH_METADATA_KEYS = ("num_valid_tokens", "num_samples", "num_tokens", "cu_seqlens")
 
 
-def _add_images(batch: dict[str, torch.Tensor], samples: list[dict]) -> None:
-    with_images = [s for s in samples if "pixel_values" in s]
-    if with_images:
-        batch["pixel_values"] = torch.cat([s["pixel_values"] for s in with_images])
-        batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
+def _add_vision(batch: dict[str, torch.Tensor], samples: list[dict]) -> None:
+    for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        having = [s for s in samples if pixels in s]
+        if having:
+            batch[pixels] = torch.cat([s[pixels] for s in having])
+            batch[grid] = torch.cat([s[grid] for s in having])
 
 
 def _pad(samples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -70,11 +71,12 @@ def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> di
     packing=False: input_ids / attention_mask / labels / mm_token_type_ids [B, S] right-padded (pad id, 0, -100, 0)
     and position_ids [3, B, S] (0 on padding). packing=True: the samples are concatenated into one row [1, T] without
     attention_mask; position_ids [4, 1, T] = (per-sample text positions, t, h, w); the label of every sample's first
-    token is -100; cu_seqlens int32 [n + 1]. Both: pixel_values / image_grid_thw concatenated in sample order (absent
-    without images), num_valid_tokens (supervised labels after the one-token shift), num_samples, num_tokens (non-pad).
+    token is -100; cu_seqlens int32 [n + 1]. Both: pixel_values / image_grid_thw and pixel_values_videos /
+    video_grid_thw concatenated in sample order (absent without images, videos), num_valid_tokens (supervised labels
+    after the one-token shift), num_samples, num_tokens (non-pad).
     """
     batch = _pack(samples) if packing else _pad(samples, pad_token_id)
-    _add_images(batch, samples)
+    _add_vision(batch, samples)
     batch["num_valid_tokens"] = supervised_token_count(batch["labels"])
     batch["num_samples"] = torch.tensor(len(samples))
     return batch

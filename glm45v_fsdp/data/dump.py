@@ -25,6 +25,8 @@ MODEL_KEYS = (
     "mm_token_type_ids",
     "pixel_values",
     "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
     "position_ids",
 )
 BATCH_DIR = "batches"

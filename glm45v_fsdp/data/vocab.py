@@ -1,9 +1,11 @@
 """Special tokens of the tiny GLM-4.5V tokenizer, shared by the tokenizer and the tiny model config.
 
 The real GLM-4.5V tokenizer uses the same token strings at ids around 151329-151364; the tiny one puts them first
-so the embedded model can keep a small vocabulary. Also the label conventions (IGNORE_INDEX, the one-token shift).
+so the embedded model can keep a small vocabulary. Also the conventions the data and the model share: the labels'
+(IGNORE_INDEX, the one-token shift) and a video's (its temporal patches counted as frame blocks).
 """
 
+import torch
 import torch.nn.functional as F
 
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -51,3 +53,12 @@ def shift_labels(labels):
 def supervised_token_count(labels):
     """Tokens the loss supervises: labels[..., 1:] that are not IGNORE_INDEX (position t predicts label t + 1)."""
     return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+def frame_grids(video_grid_thw: torch.Tensor) -> torch.Tensor:
+    """Each video's (t, h, w) grid as t grids (1, h, w), one per temporal patch (two frames): how the vision tower
+    encodes a video (transformers' get_video_features) and how its mRoPE positions count it (get_rope_index), each
+    patch a block of its own between the timestamps."""
+    grids = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+    grids[:, 0] = 1
+    return grids

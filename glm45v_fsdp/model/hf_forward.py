@@ -27,7 +27,7 @@ from transformers import Glm4vMoeForConditionalGeneration
 from transformers.modeling_outputs import MultimodalMoeCausalLMOutputWithPast
 
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.model.loss import Glm4vMoeForTraining, forward_hidden, model_loss_sum_and_logits
+from glm45v_fsdp.model.loss import Glm4vMoeForTraining, forward_hidden, model_loss_sum_and_logits, with_video_frames
 
 # Keyword arguments transformers' forward takes that change nothing in a training forward without a cache.
 _NEUTRAL = {"use_cache", "return_dict", "output_attentions", "output_hidden_states", "cache_position", "rope_deltas"}
@@ -35,8 +35,6 @@ _NEUTRAL = {"use_cache", "return_dict", "output_attentions", "output_hidden_stat
 _REFUSED = {
     "inputs_embeds": "the training forward embeds input_ids itself",
     "past_key_values": "the training forward runs without a key/value cache",
-    "pixel_values_videos": "video input is not supported yet",
-    "video_grid_thw": "video input is not supported yet",
     "logits_to_keep": "the training forward computes the loss over the whole sequence",
 }
 
@@ -78,6 +76,8 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
         labels: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
         shift_labels: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
@@ -92,6 +92,8 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
             "position_ids": position_ids,
             "pixel_values": pixel_values,
             "image_grid_thw": image_grid_thw,
+            "pixel_values_videos": pixel_values_videos,
+            "video_grid_thw": video_grid_thw,
             "mm_token_type_ids": mm_token_type_ids,
         }
         if labels is None and shift_labels is None:
@@ -102,7 +104,7 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
                     f"({layout.describe()}): each rank holds a part of the sequence, so this forward returns only a "
                     "loss. Pass labels, or run the forward without sequence_parallel_size."
                 )
-            batch = layout.pad(batch)
+            batch = layout.pad(with_video_frames(batch))
             hidden = forward_hidden(self, batch, layout.encode_images(self, batch))
             return MultimodalMoeCausalLMOutputWithPast(logits=self.lm_head(hidden).float())
         layout = self.sequence_layout

@@ -13,16 +13,57 @@ lies over the context-parallel ranks; `WholeSequence` here, a split one from the
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Glm4vMoeForConditionalGeneration
 
-from glm45v_fsdp.data.vocab import IGNORE_INDEX, shift_labels
+from glm45v_fsdp.data.vocab import IGNORE_INDEX, frame_grids, shift_labels
+from glm45v_fsdp.errors import UserError
 
 # Collated batch keys passed to Glm4vMoeModel.forward when present; bookkeeping keys are ignored.
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 REQUIRED_FSDP_UNITS = ("model.visual",)
+
+
+def with_video_frames(batch: dict) -> dict:
+    """The batch with its videos' temporal patches as images: pixel_values / image_grid_thw hold every image and
+    every temporal patch (grid (1, h, w)) in sequence order, mm_token_type_ids is 1 on all their tokens, and the
+    video keys are gone. The vision tower encodes each image and each patch on its own (transformers'
+    get_video_features does the same per patch), and the model scatters the features over the <|image|> tokens in
+    order, which mixes images and videos in one sample correctly (transformers' own forward scatters the images over
+    the video tokens too). The mRoPE positions are unchanged: a patch counts as an image of grid (1, h, w)."""
+    if batch.get("pixel_values_videos") is None:
+        return batch
+    if batch.get("mm_token_type_ids") is None or batch.get("video_grid_thw") is None:
+        raise UserError(
+            "The GLM-4.5V model was given pixel_values_videos without video_grid_thw and mm_token_type_ids (2 on a "
+            "video's tokens), which place each frame's features in the sequence. Pass all three, as "
+            "transformers' Glm4vProcessor returns them."
+        )
+    kinds = {
+        1: _items(batch.get("pixel_values"), batch.get("image_grid_thw")),
+        2: _items(batch["pixel_values_videos"], frame_grids(batch["video_grid_thw"])),
+    }
+    ordered = []
+    for row in batch["mm_token_type_ids"].tolist():
+        ordered += [next(kinds[kind]) for kind, _ in itertools.groupby(row) if kind]
+    assert all(next(items, None) is None for items in kinds.values()), "vision items without their tokens"
+    merged = {key: value for key, value in batch.items() if key not in ("pixel_values_videos", "video_grid_thw")}
+    merged["pixel_values"] = torch.cat([pixels for pixels, _ in ordered])
+    merged["image_grid_thw"] = torch.stack([grid for _, grid in ordered])
+    merged["mm_token_type_ids"] = (batch["mm_token_type_ids"] > 0).to(batch["mm_token_type_ids"].dtype)
+    return merged
+
+
+def _items(pixels: torch.Tensor | None, grids: torch.Tensor | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(patch rows, grid) of each item of a flat pixel tensor."""
+    if pixels is None:
+        return iter(())
+    return zip(torch.split(pixels, grids.prod(-1).tolist()), grids)
 
 
 def forward_hidden(model: nn.Module, batch: dict, image_outputs: object | None = None) -> torch.Tensor:
@@ -147,7 +188,7 @@ def model_loss_sum_and_logits(
     `local_targets`: this rank's slice of the shifted targets, given already sliced (DeepSpeed's ALST loader adapter);
     the count is then this slice's supervised tokens."""
     layout = model.sequence_layout
-    batch = layout.pad(batch)
+    batch = layout.pad(with_video_frames(batch))
     hidden = forward_hidden(model, batch, layout.encode_images(model, batch))
     if local_targets is None:
         targets = batch["shift_labels"] if batch.get("shift_labels") is not None else shift_labels(batch["labels"])
