@@ -1,11 +1,12 @@
 """The checks the trainer's preflight and the layout planner share, on a meta model: each enabled plan's dry run,
-the images of one sample, the activation estimate with every plan's effect, and the parameters as FSDP2 will shard
-them for a layout. `python -m glm45v_fsdp.tools.preflight` prints them (tools/preflight_report.py); the planner
-(planner/search.py, planner/assemble.py) ranks layouts by them."""
+the images and videos of one sample, the activation estimate with every plan's effect, and the parameters as FSDP2
+will shard them for a layout. `python -m glm45v_fsdp.tools.preflight` prints them (tools/preflight_report.py); the
+planner (planner/search.py, planner/assemble.py) ranks layouts by them."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from PIL import Image
@@ -13,12 +14,13 @@ from torch import nn
 
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.data import load_image_processor
-from glm45v_fsdp.data.processor import process_images
+from glm45v_fsdp.data.processor import process_images, video_processor_for
 from glm45v_fsdp.errors import ConfigError
 from glm45v_fsdp.memory.estimate import ActivationEstimate, ParamSpec, ShardLayout, activation_bytes, param_specs
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS
 from glm45v_fsdp.module_patterns import PlanMatch
 from glm45v_fsdp.parallel.fsdp import DTYPES, unit_groups, unit_mib
+from glm45v_fsdp.parallel.sequence import image_owners
 from glm45v_fsdp.plans import PlanContext, enabled_plans
 from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims, select_device
 
@@ -46,45 +48,101 @@ def check_plans(
     return matched, errors
 
 
-def sample_images(
-    config: Config, hf_config, images_per_sample: int | None, image_size: int | None
-) -> tuple[list[int], str]:
-    """The patches of each image of one sample, and how they were derived.
+@dataclass(frozen=True)
+class SampleVision:
+    """What one sample's vision inputs are for the estimates: the patches of each item the vision tower encodes on
+    its own (each image, each temporal patch of each video) in sequence order, and how they were derived."""
 
-    Defaults: the synthetic data's images; for JSON data one image per sample of the vision config's image_size.
+    items: list[int]
+    text: str
+
+
+def sample_vision(
+    config: Config,
+    hf_config,
+    images_per_sample: int | None,
+    image_size: int | None,
+    videos_per_sample: int | None = None,
+    video_frames: int | None = None,
+) -> SampleVision:
+    """The vision items of the largest sample.
+
+    Defaults: the synthetic data's images, and its video when it has one (every data.synthetic_video_every-th
+    sample: the largest sample sets the peak); for JSON or HF data one image of the vision config's image_size and no
+    video. A video's frames (default: data.synthetic_video_frames, else data.video_max_frames) are square frames of
+    the image side, downscaled to data.video_max_pixels. Whatever does not fit data.cutoff_len is dropped, as the data
+    sets drop a block they would cut.
     """
     data, vision = config.data, hf_config.vision_config
     synthetic = data.dataset == "synthetic"
-    images = images_per_sample
-    if images is None:
-        images = data.synthetic_images_per_sample if synthetic else 1
+    images = data.synthetic_images_per_sample if synthetic and images_per_sample is None else images_per_sample
+    images = 1 if images is None else images
+    videos = videos_per_sample
+    if videos is None:
+        videos = int(synthetic and data.synthetic_video_every > 0)
+    frames = video_frames or (data.synthetic_video_frames if synthetic else data.video_max_frames)
     size = image_size or (data.synthetic_image_size if synthetic else vision.image_size)
-    if images == 0:
-        return [], "no images"
+    if images == 0 and videos == 0:
+        return SampleVision([], "no images")
     processor = load_image_processor(config.model.name_or_path, vision)
-    _, grid = process_images(processor, [Image.new("RGB", (size, size))])
-    patches = int(grid.prod())
-    tokens = patches // vision.spatial_merge_size**2
-    kept = min(images, config.data.cutoff_len // (tokens + 2))  # an image block never gets cut: it is dropped
-    return [
-        patches
-    ] * kept, f"{kept} image(s) of {size}x{size} px per sample -> {patches} patches ({tokens} tokens) each"
+    merge = vision.spatial_merge_size**2
+    items, budget, parts = [], config.data.cutoff_len, []
+    if images:
+        _, grid = process_images(processor, [Image.new("RGB", (size, size))])
+        patches = int(grid.prod())
+        kept = min(images, budget // (patches // merge + 2))  # an image block never gets cut: it is dropped
+        items += [patches] * kept
+        budget -= kept * (patches // merge + 2)
+        parts.append(
+            f"{kept} image(s) of {size}x{size} px per sample -> {patches} patches ({patches // merge} tokens) each"
+        )
+    if videos:
+        side = min(size, math.isqrt(data.video_max_pixels))
+        frames += frames % 2  # an odd count gets its last frame repeated
+        t, h, w = video_processor_for(processor).grid(frames, side, side)
+        # per temporal patch: <|begin_of_image|>, its tokens, <|end_of_image|>, the timestamp's digits
+        seconds = (frames - 2) / data.video_fps  # the last patch's timestamp
+        block = 2 + t * (h * w // merge + 2 + len(str(int(seconds))))
+        kept = min(videos, budget // block)
+        items += [h * w] * (t * kept)
+        parts.append(
+            f"{kept} video(s) of {frames} frames {side}x{side} px per sample -> {t} temporal patches of {h * w} "
+            f"patches ({h * w // merge} tokens) each"
+        )
+    return SampleVision(items, "; ".join(parts))
 
 
 def image_patches(
-    config: Config, hf_config, images_per_sample: int | None, image_size: int | None, cp: int = 1
+    config: Config,
+    hf_config,
+    images_per_sample: int | None,
+    image_size: int | None,
+    cp: int = 1,
+    videos_per_sample: int | None = None,
+    video_frames: int | None = None,
 ) -> tuple[int, str]:
     """Patches per micro batch and rank for the activation estimate, and how they were derived. Under context
-    parallelism the images are split over the `cp` ranks (whole images, so a rank encodes ceil(images / cp))."""
-    images, text = sample_images(config, hf_config, images_per_sample, image_size)
-    if not images:
-        return 0, text
-    per_micro_batch = len(images) * config.training.micro_batch_size
-    per_rank = -(-per_micro_batch // cp)
-    text += f", x micro_batch_size {config.training.micro_batch_size}" + (
-        f", split over cp {cp}: {per_rank} image(s) per rank" if cp > 1 else ""
+    parallelism the items are split over the `cp` ranks whole (parallel/sequence.py's image_owners): the rank
+    that encodes the most counts."""
+    vision = sample_vision(config, hf_config, images_per_sample, image_size, videos_per_sample, video_frames)
+    if not vision.items:
+        return 0, vision.text
+    per_micro_batch = vision.items * config.training.micro_batch_size
+    mine = largest_share(per_micro_batch, cp)
+    text = (
+        vision.text
+        + f", x micro_batch_size {config.training.micro_batch_size}"
+        + (f", split over cp {cp}: {len(mine)} item(s) per rank" if cp > 1 else "")
     )
-    return per_rank * images[0], text
+    return sum(mine), text
+
+
+def largest_share(sizes: list[int], cp: int) -> list[int]:
+    """The vision items (by patches) of the CP rank that encodes the most: CP gives each rank whole items."""
+    if cp == 1 or not sizes:
+        return list(sizes)
+    owners = image_owners(sizes, cp)
+    return max(([size for size, owner in zip(sizes, owners) if owner == rank] for rank in range(cp)), key=sum)
 
 
 def activation_estimate(

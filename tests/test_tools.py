@@ -88,6 +88,31 @@ def test_shard_rows_follow_torch_chunk():
             assert [shard_rows(rows, n, i) for i in range(n)] == [len(c) for c in chunks] + [0] * (n - len(chunks))
 
 
+def test_preflight_counts_video_patches_and_splits_them_over_cp(capsys):
+    """The tiny config: one 56 px image (16 patches) per sample and, with --videos-per-sample 2 --video-frames 8, two
+    videos of 4 temporal patches of 16 patches: 144 patches per sample, 288 per micro batch of 2. Ulysses 2 gives
+    each rank whole items, the larger share counted; more patches, more activation bytes."""
+    reports = {}
+    for name, extra in {
+        "images": ["--videos-per-sample", "0"],
+        "videos": ["--videos-per-sample", "2", "--video-frames", "8"],
+        "videos_cp2": ["--videos-per-sample", "2", "--video-frames", "8", "parallel.ulysses_parallel_size=2"],
+    }.items():
+        code, out, err = run_preflight(capsys, "--json", "--world-size", "2", *extra)
+        assert code == 0, err
+        reports[name] = json.loads(out)["memory"]
+    assumptions = {name: next(a for a in r["assumptions"] if a.startswith("images:")) for name, r in reports.items()}
+    assert assumptions["images"].endswith("= 32 patches per micro batch") and "video" not in assumptions["images"]
+    assert "2 video(s) of 8 frames 56x56 px per sample -> 4 temporal patches of 16 patches" in assumptions["videos"]
+    assert assumptions["videos"].endswith("= 288 patches per micro batch")
+    # 18 items of 16 patches over 2 ranks: 9 each
+    assert assumptions["videos_cp2"].endswith("split over cp 2: 9 item(s) per rank = 144 patches per micro batch")
+    activations = {name: r["activations"]["total"] for name, r in reports.items()}
+    assert activations["images"] < activations["videos"]
+    code, _, err = run_preflight(capsys, "--videos-per-sample", "-1")
+    assert code == 2 and "--videos-per-sample = -1 is invalid" in err
+
+
 def test_preflight_tiny_on_one_and_four_ranks(capsys):
     code, out, _ = run_preflight(capsys, "--world-size", "4")
     assert code == 0

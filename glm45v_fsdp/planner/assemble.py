@@ -17,8 +17,8 @@ from glm45v_fsdp.model import build_meta_model
 from glm45v_fsdp.module_patterns import PlanMatch
 from glm45v_fsdp.parallel.fsdp import DTYPES
 from glm45v_fsdp.planner.flops import Shape
-from glm45v_fsdp.planner.traffic import StepShape, largest_share
-from glm45v_fsdp.preflight import PlannedParams, check_plans, planned_params
+from glm45v_fsdp.planner.traffic import StepShape
+from glm45v_fsdp.preflight import PlannedParams, check_plans, largest_share, planned_params
 from glm45v_fsdp.runtime.mesh import ParallelDims
 
 

@@ -27,7 +27,7 @@ from glm45v_fsdp.planner.flops import Flops, step_flops
 from glm45v_fsdp.planner.layout import CHUNK_LOSS, RECOMPUTE, Job, Layout
 from glm45v_fsdp.planner.step_time import StepTime, step_time
 from glm45v_fsdp.planner.traffic import Collective, fsdp_traffic, other_traffic
-from glm45v_fsdp.preflight import activation_estimate, sample_images
+from glm45v_fsdp.preflight import activation_estimate, largest_share, sample_vision
 from glm45v_fsdp.runtime.mesh import ParallelDims
 from glm45v_fsdp.runtime.topology import NodeLayout, placement
 
@@ -78,11 +78,13 @@ class Planner:
         device: Device,
         images_per_sample: int | None = None,
         image_size: int | None = None,
+        videos_per_sample: int | None = None,
+        video_frames: int | None = None,
     ) -> None:
         self.config, self.hf_config, self.job, self.device = config, hf_config, job, device
         job_config = Layout.of_config(config).apply(config, job)
-        self.images, self.images_text = sample_images(job_config, hf_config, images_per_sample, image_size)
-        self.images_per_sample, self.image_size = images_per_sample, image_size
+        vision = sample_vision(job_config, hf_config, images_per_sample, image_size, videos_per_sample, video_frames)
+        self.images, self.images_text = vision.items, vision.text
         self.dtype = config.parallel.fsdp_plan.param_dtype
         self._cache: dict[tuple, object] = {}
 
@@ -176,8 +178,7 @@ class Planner:
                 _largest_units(specs, shards, compute),
             ),
         )
-        patches = len(self.images) * layout.micro_batch
-        per_rank_patches = -(-patches // dims.cp) * (self.images[0] if self.images else 0)
+        per_rank_patches = sum(largest_share(self.images * layout.micro_batch, dims.cp))
         acts = activation_estimate(config, self.hf_config, dims, planned.matched, per_rank_patches)
         found.memory = {
             "params": state.params,

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glm45v_fsdp.memory.estimate import ParamSpec, ShardLayout
-from glm45v_fsdp.parallel.sequence import image_owners
+from glm45v_fsdp.preflight import largest_share
 from glm45v_fsdp.runtime.mesh import ParallelDims
 
 FAMILIES = ("fsdp", "efsdp", "dp_replicate", "ep", "cp_ulysses", "cp_ring", "cp", "dp")
@@ -75,15 +75,6 @@ class StepShape:
     def tokens(self) -> int:
         """All micro batches' tokens per rank."""
         return sum(self.micro_tokens)
-
-
-def largest_share(sizes: list[int], cp: int) -> list[int]:
-    """The images (by size) of the CP rank that encodes the most: CP gives each rank whole images
-    (parallel/sequence.py's image_owners)."""
-    if cp == 1 or not sizes:
-        return list(sizes)
-    owners = image_owners(sizes, cp)
-    return max(([size for size, owner in zip(sizes, owners) if owner == rank] for rank in range(cp)), key=sum)
 
 
 def _units(specs: list[ParamSpec], layout: ShardLayout, itemsize: int, trainable: bool) -> dict[str, int]:

@@ -38,6 +38,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=None, help="samples per step (default: the config's)")
     parser.add_argument("--images-per-sample", type=int, default=None)
     parser.add_argument("--image-size", type=int, default=None)
+    parser.add_argument(
+        "--videos-per-sample", type=int, default=None, help="videos per sample (default: see preflight)"
+    )
+    parser.add_argument("--video-frames", type=int, default=None, help="sampled frames per video")
     parser.add_argument("--top", type=int, default=10, help="layouts to print")
     parser.add_argument("--unit-mib", default="default,512", help="FSDP unit sizes to try (default = the device's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -56,10 +60,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("output/plan"), help="--validate: report directory")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides applied after the YAML file")
     args = parser.parse_args(argv)
-    for flag in ("nodes", "nproc_per_node", "tokens", "global_batch", "top", "steps", "repeats"):
+    for flag in ("nodes", "nproc_per_node", "tokens", "global_batch", "top", "steps", "repeats", "video_frames"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a positive integer.")
+    if args.videos_per_sample is not None and args.videos_per_sample < 0:
+        raise UserError(f"--videos-per-sample = {args.videos_per_sample} is invalid: pass 0 or more.")
     other = next((flag for flag in ("explain", "calibrate", "validate") if getattr(args, flag)), None)
     if args.deepspeed and other:
         raise UserError(f"--deepspeed and --{other} ask for different reports: pass one of them.")

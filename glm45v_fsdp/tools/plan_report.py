@@ -51,7 +51,16 @@ def build_planner(args: argparse.Namespace, config: Config | None = None) -> tup
     tokens = args.tokens or config.data.cutoff_len
     default_batch = config_batch(config, world_size(args, device))
     job = Job(args.nodes, per_node, tokens, args.global_batch or default_batch)
-    planner = Planner(config, load_hf_config(config.model), job, device, args.images_per_sample, args.image_size)
+    planner = Planner(
+        config,
+        load_hf_config(config.model),
+        job,
+        device,
+        args.images_per_sample,
+        args.image_size,
+        args.videos_per_sample,
+        args.video_frames,
+    )
     return planner, job
 
 

@@ -48,6 +48,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="square image side in pixels (default: synthetic data's setting, else the vision config's image_size)",
     )
     parser.add_argument(
+        "--videos-per-sample",
+        type=int,
+        default=None,
+        help="videos per sample (default: 1 when the synthetic data has videos, else 0)",
+    )
+    parser.add_argument(
+        "--video-frames",
+        type=int,
+        default=None,
+        help="sampled frames per video (default: data.synthetic_video_frames, else data.video_max_frames)",
+    )
+    parser.add_argument(
         "--deepspeed",
         default=None,
         metavar="DS_CONFIG",
@@ -56,9 +68,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides applied after the YAML file")
     args = parser.parse_args(argv)
-    for flag in ("world_size", "nproc_per_node", "images_per_sample", "image_size"):
+    for flag in (
+        "world_size",
+        "nproc_per_node",
+        "images_per_sample",
+        "image_size",
+        "videos_per_sample",
+        "video_frames",
+    ):
         value = getattr(args, flag)
-        if value is not None and value < (0 if flag == "images_per_sample" else 1):
+        if value is not None and value < (0 if flag in ("images_per_sample", "videos_per_sample") else 1):
             raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a positive integer.")
     if args.deepspeed and args.world_size is None:
         raise UserError("--deepspeed needs --world-size: the ds_config's batch and layout hold for one world size.")

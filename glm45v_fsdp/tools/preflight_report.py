@@ -38,6 +38,8 @@ def memory_report(
     device_memory_gib: float = 64.0,
     images_per_sample: int | None = None,
     image_size: int | None = None,
+    videos_per_sample: int | None = None,
+    video_frames: int | None = None,
 ) -> dict:
     """Per-rank memory (bytes) of `dims.world_size` ranks, min/max over ranks and the assumptions behind it.
 
@@ -51,7 +53,9 @@ def memory_report(
     offloaded = sharded and plan.cpu_offload
     compute, reduce = DTYPES[plan.param_dtype].itemsize, DTYPES[plan.reduce_dtype].itemsize
     transient = transient_bytes(specs, layout, compute, reduce, plan.reshard_after_forward, plan.prefetch)
-    patches, image_text = image_patches(config, hf_config, images_per_sample, image_size, dims.cp)
+    patches, image_text = image_patches(
+        config, hf_config, images_per_sample, image_size, dims.cp, videos_per_sample, video_frames
+    )
     acts = activation_estimate(config, hf_config, dims, matched, patches)
     tokens = acts.base.tokens
     per_index = [state_bytes(specs, layout, index) for index in range(shard_size)]
@@ -169,7 +173,16 @@ def build_report(args: argparse.Namespace) -> dict:
             }
     if dims is not None and "fsdp" in matched:
         report["memory"] = memory_report(
-            model, hf_config, config, dims, matched, args.device_memory_gib, args.images_per_sample, args.image_size
+            model,
+            hf_config,
+            config,
+            dims,
+            matched,
+            args.device_memory_gib,
+            args.images_per_sample,
+            args.image_size,
+            args.videos_per_sample,
+            args.video_frames,
         )
     report["seconds"] = round(time.perf_counter() - started, 2)
     return report
