@@ -258,3 +258,19 @@ def test_deepspeed_bad_config_is_the_trainer_doors_error(tmp_path, capsys):
     code, _, err = run_plan(capsys, *TINY_JOB, "--deepspeed", ds, "--explain", "ep1")
     assert code == 2 and "pass one of them" in err
 
+
+def test_videos_add_their_patches_to_the_vision_work(capsys):
+    """--videos-per-sample / --video-frames count the videos' temporal patches as the preflight does: on Ulysses 2 the
+    rank with the larger share encodes 1 image of 16 patches without videos, and 9 items of 16 patches (of 2 images
+    + 2 x 4 temporal patches, x micro batch 2, over 2 ranks) with two 8-frame videos: 9x the vision matmul FLOPs."""
+    layout = "ep1-uly2-ring1-rep1-rc_full-loss_static-unit_default-mb2"
+    flops = {}
+    for videos in ("0", "2"):
+        code, out, err = run_plan(capsys, *TINY_JOB, "--videos-per-sample", videos, "--video-frames", "8",
+                                  "--explain", layout)  # fmt: skip
+        assert code == 0, err
+        flops[videos] = json.loads(out)["flops_per_micro_batch"]
+    assert flops["2"]["vision matmuls"] == 9 * flops["0"]["vision matmuls"]
+    assert flops["2"]["text matmuls"] == flops["0"]["text matmuls"]  # the tokens stay data.cutoff_len
+    code, _, err = run_plan(capsys, *TINY_JOB, "--video-frames", "0")
+    assert code == 2 and "--video-frames = 0 is invalid" in err
