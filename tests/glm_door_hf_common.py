@@ -66,8 +66,12 @@ def training_arguments(features: bool) -> dict:
     return {**TRAINING_ARGUMENTS, "gradient_checkpointing": features}
 
 
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
 def collate(samples: list[dict]) -> dict:
-    """What an HF collator for GLM-4.5V returns: right padding, images concatenated, no position_ids."""
+    """What an HF collator for GLM-4.5V returns: right padding, images and videos concatenated (each pair only when a
+    sample has one), no position_ids."""
     length = max(len(sample["input_ids"]) for sample in samples)
 
     def padded(key: str, value: int) -> torch.Tensor:
@@ -79,8 +83,11 @@ def collate(samples: list[dict]) -> dict:
         "attention_mask": torch.stack([torch.arange(length) < len(sample["input_ids"]) for sample in samples]).long(),
         "labels": padded("labels", IGNORE_INDEX),
         "mm_token_type_ids": padded("mm_token_type_ids", 0),
-        "pixel_values": torch.cat([sample["pixel_values"] for sample in samples]),
-        "image_grid_thw": torch.cat([sample["image_grid_thw"] for sample in samples]),
+        **{  # (a `datasets` row without a video holds None there)
+            key: torch.cat([torch.as_tensor(sample[key]) for sample in samples if sample.get(key) is not None])
+            for key in VISION_KEYS
+            if any(sample.get(key) is not None for sample in samples)
+        },
     }
 
 

@@ -35,6 +35,8 @@ HF_KEYS = (
     "labels",
     "pixel_values",
     "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
     "mm_token_type_ids",
     "position_ids",
 )
@@ -97,7 +99,7 @@ def batches(engine, start_step: int):
     )
     loader = build_dataloader(data.dataset, sampler, data.tokenizer.pad_token_id, packing=False, num_workers=0)
     for batch in loader:
-        yield {key: batch[key] for key in HF_KEYS}
+        yield {key: batch[key] for key in HF_KEYS if key in batch}
 
 
 def groups_seen(engine) -> dict:

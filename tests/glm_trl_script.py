@@ -48,7 +48,15 @@ parser = argparse.ArgumentParser()
 add_arguments(parser)
 parser.add_argument("--auto_buckets", action="store_true")
 args = parser.parse_args()
-KEYS = ("input_ids", "labels", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+KEYS = (
+    "input_ids",
+    "labels",
+    "mm_token_type_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+)
 SAMPLES = 32  # 6 steps of 2 ranks x 2 micro batches of 1 use the first 24
 
 ds_config = make_ds_config(features=not args.features_off)
@@ -98,7 +106,7 @@ training = SFTConfig(
 model = Glm4vMoeForConditionalGeneration.from_pretrained(args.hf_dir, dtype=torch.float32)
 data = build_training_data(load_config(None, ["data.shuffle=false"]), model.config)
 # SFTTrainer takes a `datasets` Dataset only: the first SAMPLES of ours, tensors kept (the torch format)
-samples = [{key: data.dataset[index][key].numpy() for key in KEYS} for index in range(SAMPLES)]
+samples = [{k: v.numpy() for k, v in data.dataset[index].items() if k in KEYS} for index in range(SAMPLES)]
 dataset = Dataset.from_list(samples).with_format("torch")
 trainer = RecordingSFTTrainer(
     model=model, args=training, train_dataset=dataset, data_collator=collate, processing_class=data.tokenizer

@@ -176,6 +176,7 @@ def test_trainer_resumes_a_deepspeed_run_of_transformers_glm45v(tmp_path, capsys
         "data.synthetic_text_tokens=256",
         "data.synthetic_image_size=112",
         "data.synthetic_images_per_sample=1",
+        "data.synthetic_video_every=0",  # the worker's data (bench/deepspeed_api.py workload_overrides)
         "data.synthetic_samples=24",
         "data.shuffle=false",
         "training.train_iters=5",

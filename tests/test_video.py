@@ -161,6 +161,8 @@ def test_video_batch_equals_transformers_processor(tmp_path, hf_config, hf_proce
     assert torch.equal(ours["input_ids"], reference["input_ids"][0])
     assert torch.equal(ours["mm_token_type_ids"], reference["mm_token_type_ids"][0].int())
     assert int((ours["mm_token_type_ids"] == 2).sum()) > 0
+    assert (ours["labels"][ours["mm_token_type_ids"] > 0] == -100).all()  # no loss on image or video tokens
+    assert (ours["labels"] != -100).sum() > 0
     assert torch.equal(ours["video_grid_thw"], reference["video_grid_thw"])
     assert torch.equal(ours["pixel_values_videos"], reference["pixel_values_videos"])
     if "<image>" in tags:

@@ -49,6 +49,7 @@ def workload_overrides(args: argparse.Namespace, world: int) -> list[str]:
         f"data.synthetic_text_tokens={args.text_tokens}",
         f"data.synthetic_image_size={args.image_size}",
         "data.synthetic_images_per_sample=1",
+        "data.synthetic_video_every=0",  # the reference runs transformers' forward: no sample with both
         f"data.synthetic_samples={(args.first_step + args.steps + 1) * args.micro * world}",
         *long_sample_overrides(getattr(args, "cutoff_len", None)),
     ]
