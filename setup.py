@@ -43,6 +43,8 @@ setup(
         # CI runs the model tests on exactly this lower bound (.ci/lowest-transformers).
         "transformers>=5.24,<6",
         "safetensors>=0.4",
+        # the checkpoint manifests' checksums (xxh3-64, ~28 GB/s on one core; checkpoint/integrity.py)
+        "xxhash>=3.0",
         "pyyaml>=6.0",
         "pillow>=10.0",
         "numpy>=1.24",

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import socket
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from glm45v_fsdp.checkpoint import integrity
 from glm45v_fsdp.checkpoint.dcp import MODEL_KEY, OPTIM_KEY, find_checkpoint
 from glm45v_fsdp.checkpoint.deepspeed import describe, load_into, read_deepspeed, tag_dir_of
 from glm45v_fsdp.checkpoint.deepspeed_write import FullState, write_deepspeed
@@ -35,6 +37,7 @@ from glm45v_fsdp.checkpoint.hf import (
     read_headers,
 )
 from glm45v_fsdp.checkpoint.hf_export import export_hf
+from glm45v_fsdp.checkpoint.integrity import MANIFEST_FILE, has_manifest
 from glm45v_fsdp.checkpoint.layout import Shape, check_keys, describe_diff, detect_expert_layout, summarize_keys
 from glm45v_fsdp.checkpoint.safe_load import UnsafeCheckpointFile, load_dcp, load_pt, metadata_of, read_whole_dcp
 from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE, TRAINER_STATE_FILE, read_trainer_state
@@ -427,3 +430,27 @@ def bin_to_hf(args: argparse.Namespace) -> int:
         f"bin-to-hf: {source} ({len(bins)} .bin file(s), read weights-only) -> {out} ({len(shards)} safetensors){left}"
     )
     return 0
+
+
+def verify(args: argparse.Namespace) -> int:
+    """`verify PATH`: PATH itself when it holds a manifest, else every directory below it that does (a save
+    directory's checkpoints, a DeepSpeed save_dir's tags); each checked against its manifest."""
+    path = Path(args.path)
+    if not path.is_dir():
+        raise UserError(f"'{path}' is not a directory. Pass a checkpoint directory or a directory holding several.")
+    checkpoints = [path] if has_manifest(path) else sorted(p.parent for p in path.glob(f"*/{MANIFEST_FILE}"))
+    if not checkpoints:
+        print(f"{path}: NOT VERIFIED: no {MANIFEST_FILE} in it or in its subdirectories (written before checksums)")
+        return 1
+    damaged = 0
+    for checkpoint in checkpoints:
+        started = time.perf_counter()
+        problem = integrity.verify(checkpoint)
+        files = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"] if problem is None else {}
+        if problem is None:
+            size = sum(entry["bytes"] for entry in files.values())
+            print(f"{checkpoint}: intact ({len(files)} files, {size:,} bytes, {time.perf_counter() - started:.2f} s)")
+        else:
+            damaged += 1
+            print(f"{checkpoint}: DAMAGED: {problem}")
+    return 1 if damaged else 0

@@ -5,17 +5,22 @@ A save directory (training.save) holds:
         .metadata, __R_0.distcp DCP files of {"model": model state dict, "optim": optimizer state dict}
         trainer_state.pt        rank 0: step, scheduler, consumed samples, config, world size (checkpoint/state.py)
         rng/rank{R}.pt          rank R's RNG states
+        manifest.json           every file's size and xxh3-64 checksum (checkpoint/integrity.py)
     step_00000018.tmp/          a save in progress or an interrupted one: never resumed from, removed by the next save
     latest                      the name of the newest complete checkpoint
-Every file is written into `step_N.tmp/`; once all ranks are done, rank 0 renames it to `step_N/` and then rewrites
-`latest`, so an interrupted save never looks complete. The state dicts come from
-torch.distributed.checkpoint.state_dict (FQN keys; DTensor shards or plain tensors), so a checkpoint written by N
-ranks loads on M.
+Every file is written into `step_N.tmp/`; each rank hashes the files it wrote; once all ranks are done, rank 0 writes
+the manifest, renames the directory to `step_N/` and then rewrites `latest`, so an interrupted save never looks
+complete. Loading verifies the manifest before anything is read. A save that fails for lack of space or permission
+(ENOSPC, EDQUOT, EROFS, EACCES) removes its `.tmp` and stops the run with one paragraph; `latest` stays. The state
+dicts come from torch.distributed.checkpoint.state_dict (FQN keys; DTensor shards or plain tensors), so a checkpoint
+written by N ranks loads on M.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import io
 import os
 import re
 import secrets
@@ -23,7 +28,7 @@ import shutil
 import socket
 import time
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from glm45v_fsdp.checkpoint.deepspeed import locate, tag_dir_of
 from glm45v_fsdp.checkpoint.hf import detect_format, holds_weights, refuse_pickle_weights
+from glm45v_fsdp.checkpoint.integrity import MANIFEST_FILE, has_manifest, merge_parts, verify, write_part
 from glm45v_fsdp.checkpoint.layout import KeyDiff, compare_keys, describe_diff
 from glm45v_fsdp.checkpoint.safe_load import UnsafeCheckpointFile, load_dcp, load_pt, metadata_of
 from glm45v_fsdp.checkpoint.state import RNG_DIR, TRAINER_STATE_FILE, rng_file
@@ -87,7 +93,10 @@ def _step_of(path: Path) -> int:
 
 
 def _damage(checkpoint: Path) -> str | None:
-    """What is wrong with a published checkpoint's files (file system only); None when nothing is."""
+    """What is wrong with a published checkpoint's files (their checksums when it has a manifest, then what the file
+    system and the file headers tell); None when nothing is."""
+    if has_manifest(checkpoint) and (problem := verify(checkpoint)) is not None:
+        return problem
     for required in (METADATA_FILE, TRAINER_STATE_FILE):
         if not (checkpoint / required).is_file():
             return f"{checkpoint / required} is missing"
@@ -121,6 +130,12 @@ def check_checkpoint_files(checkpoint: Path, what: str = "Config key 'training.l
     the file and the way out (the previous complete checkpoint), before any collective or unpickling traceback."""
     problem = _damage(checkpoint)
     if problem is None:
+        if has_manifest(checkpoint):
+            get_logger().info("checkpoint %s: every file matches its checksum (%s)", checkpoint, MANIFEST_FILE)
+        else:
+            get_logger().info(
+                "checkpoint %s: not verified, it has no %s (written before checksums)", checkpoint, MANIFEST_FILE
+            )
         return
     earlier = [p for p in complete_checkpoints(checkpoint.parent) if _step_of(p) < _step_of(checkpoint)]
     earlier = [p for p in earlier if _damage(p) is None]
@@ -366,6 +381,68 @@ class _Pending:
     started: float
 
 
+# What a save that runs out of space or permission raises; anything else is a bug and keeps its traceback.
+STORAGE_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
+                  errno.EROFS: "read-only file system", errno.EACCES: "permission denied"}  # fmt: skip
+
+
+def storage_failure(error: BaseException, directory: Path) -> OSError | None:
+    """The OSError of a storage failure behind `error` (itself, its causes, or a rank's failure inside DCP's
+    CheckpointException), else None. torch's zip writer (DCP writes its non-tensor items with torch.save) reports a
+    full disk as a RuntimeError ("unexpected pos ..."): behind one, a small probe write into `directory` tells."""
+    seen: list[BaseException] = []
+    pending = [error]
+    writer_failed = False
+    while pending:
+        current = pending.pop()
+        if current is None or current in seen:
+            continue
+        seen.append(current)
+        if isinstance(current, OSError) and current.errno in STORAGE_ERRNOS:
+            return current
+        if isinstance(current, CheckpointException):
+            pending += [failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values()]
+        writer_failed |= isinstance(current, RuntimeError) and "inline_container" in str(current)
+        pending += [current.__cause__, current.__context__]
+    return _probe_write(directory) if writer_failed else None
+
+
+def _probe_write(directory: Path) -> OSError | None:
+    """The storage error a 1 MiB write into `directory` meets, if any."""
+    probe = directory / f".write-probe-{secrets.token_hex(4)}"
+    try:
+        with probe.open("wb") as stream:
+            stream.write(bytes(1 << 20))
+            stream.flush()
+            os.fsync(stream.fileno())
+    except OSError as error:
+        return error if error.errno in STORAGE_ERRNOS else None
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
+def save_pt(obj: Any, path: Path) -> None:
+    """torch.save through memory: a full disk raises the OSError (ENOSPC) instead of torch's writer's RuntimeError."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with path.open("wb") as stream:
+        stream.write(buffer.getbuffer())
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def _own_files(checkpoint: Path, rank: int) -> list[Path]:
+    """The files rank `rank` wrote into a checkpoint: its DCP shards and RNG states, and rank 0's metadata and
+    trainer state."""
+    files = [*checkpoint.glob(f"__{rank}_*.distcp"), rng_file(checkpoint, rank)]
+    if rank == 0:
+        files += [checkpoint / METADATA_FILE, checkpoint / TRAINER_STATE_FILE]
+    return files
+
+
 def check_shared_save_dir(save_dir: Path, rank: int) -> None:
     """Every rank must see the directory rank 0 sees: a checkpoint is one directory that every rank writes its shard
     into and rank 0 publishes, so a path that is local to each node (a local disk, /tmp, a per-node tmpfs) would
@@ -423,9 +500,12 @@ class Checkpointer:
         self.rank = rank
         check_shared_save_dir(self.save_dir, rank)
         self.group = dist.new_group(backend="gloo") if training.async_save else None
+        self.world_size = dist.get_world_size()
         self.last_step: int | None = None  # the step whose state is on disk (set by a save or a resume)
         self.blocked_s = 0.0
         self._pending: _Pending | None = None
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-checksums")
+        self.hashed = (0, 0.0)  # (bytes, seconds) this rank hashed at its last save
         self.log = get_logger()
 
     def due(self, step: int) -> bool:
@@ -448,25 +528,30 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait()
         tmp = self.save_dir / f"{checkpoint_name(step)}{TMP_SUFFIX}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # an interrupted earlier attempt at this step
-            (tmp / RNG_DIR).mkdir(parents=True)
-            torch.save(trainer_state, tmp / TRAINER_STATE_FILE)
-        dist.barrier()
-        torch.save(rng_state, rng_file(tmp, self.rank))
-        state = model_and_optimizer_state(model, optimizer)
+        self._warn_if_short_of_space()
         background = self.async_save and not sync
-        if background:
-            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
-            self._pending = _Pending(step, tmp, future, start)
-            if self.fault is not None:
-                self.fault.maybe_fire(self.rank, step, in_save=True)
-        else:
-            # DCP's final step is the barrier: rank 0 writes .metadata only after every rank reported its files.
-            dcp.save(state, checkpoint_id=tmp)
-            if self.fault is not None:
-                self.fault.maybe_fire(self.rank, step, in_save=True)
-            self._publish(step, tmp, start, background=False)
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # an interrupted earlier attempt at this step
+                (tmp / RNG_DIR).mkdir(parents=True)
+                save_pt(trainer_state, tmp / TRAINER_STATE_FILE)
+            dist.barrier()
+            save_pt(rng_state, rng_file(tmp, self.rank))
+            state = model_and_optimizer_state(model, optimizer)
+            if background:
+                written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+                self._pending = _Pending(step, tmp, self._hasher.submit(self._checksums, tmp, written), start)
+                if self.fault is not None:
+                    self.fault.maybe_fire(self.rank, step, in_save=True)
+            else:
+                # DCP's final step is the barrier: rank 0 writes .metadata only after every rank reported its files.
+                dcp.save(state, checkpoint_id=tmp)
+                if self.fault is not None:
+                    self.fault.maybe_fire(self.rank, step, in_save=True)
+                self._checksums(tmp)
+                self._publish(step, tmp, start, background=False)
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            self._fail(error, step, tmp)
         blocked = time.perf_counter() - start
         self.blocked_s += blocked
         self.last_step = step
@@ -490,8 +575,68 @@ class Checkpointer:
 
     def _complete(self) -> None:
         pending, self._pending = self._pending, None
-        pending.future.result()  # rank 0's future ends after every rank's files are written (DCP's finish step)
+        try:
+            pending.future.result()  # rank 0's ends after every rank's files are written and hashed
+        except (Exception, CheckpointException) as error:
+            self._fail(error, pending.step, pending.tmp)
         self._publish(pending.step, pending.tmp, pending.started, background=True)
+
+    def _checksums(self, tmp: Path, written: Future | None = None) -> None:
+        """Hash the files this rank wrote (after an async write finished); rank 0 then waits for every rank's
+        part and writes the manifest."""
+        if written is not None:
+            written.result()
+        started = time.perf_counter()
+        files = _own_files(tmp, self.rank)
+        write_part(tmp, self.rank, files)
+        self.hashed = (sum(file.stat().st_size for file in files), time.perf_counter() - started)
+        if self.rank == 0:
+            merge_parts(tmp, self.world_size)
+
+    def _warn_if_short_of_space(self) -> None:
+        """Before a save: less free space than the last checkpoint took is a warning now, not a failure later."""
+        if self.rank != 0 or not (previous := complete_checkpoints(self.save_dir)):
+            return
+        needed, free = directory_bytes(previous[-1]), shutil.disk_usage(self.save_dir).free
+        if free < needed:
+            self.log.warning(
+                "checkpoint: %s has %s bytes free, less than the last checkpoint (%s, %s bytes): the next save may "
+                "fail; free space or point training.save elsewhere",
+                self.save_dir,
+                f"{free:,}",
+                previous[-1].name,
+                f"{needed:,}",
+            )
+
+    def _fail(self, error: BaseException, step: int, tmp: Path) -> None:
+        """A save that ran out of space or permission: remove its `.tmp` and stop with one paragraph; anything
+        else keeps its traceback."""
+        cause = storage_failure(error, tmp if tmp.is_dir() else self.save_dir)
+        if cause is None:
+            raise error
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = complete_checkpoints(self.save_dir)
+        needed = (
+            f"about {directory_bytes(previous[-1]):,} bytes (the size of {previous[-1].name})"
+            if previous
+            else "unknown bytes (no earlier checkpoint to size it)"
+        )
+        try:
+            free = f"{shutil.disk_usage(self.save_dir).free:,} bytes free"
+        except OSError:
+            free = "free space unknown"
+        kept = (
+            f"The previous checkpoint {previous[-1]} stays `latest` and resumes the run (training.resume=auto)"
+            if previous
+            else "No checkpoint of this run is complete yet"
+        )
+        raise UserError(
+            f"Checkpoint step {step} could not be written to '{self.save_dir}' (training.save): "
+            f"{STORAGE_ERRNOS[cause.errno]} ({errno.errorcode[cause.errno]}: {cause.strerror}"
+            f"{f' on {cause.filename}' if cause.filename else ''}). It needs {needed}; the file system has {free}. "
+            f"{kept}; the partial {tmp.name} was removed. Free space (or quota), make the directory writable, or point "
+            f"training.save at storage that can hold the checkpoints."
+        ) from None
 
     def _publish(self, step: int, tmp: Path, started: float, background: bool) -> None:
         """Rank 0: rename `step_N.tmp` to `step_N`, then point `latest` at it and prune."""
@@ -505,11 +650,14 @@ class Checkpointer:
         latest_tmp.write_text(final.name + "\n")
         os.replace(latest_tmp, self.save_dir / LATEST_FILE)
         removed = self._prune(final)
+        hashed_bytes, hashed_s = self.hashed
         self.log.info(
-            "checkpoint saved: %s (%.2f s%s)%s",
+            "checkpoint saved: %s (%.3f s%s; checksums of rank 0's %s bytes %.4f s)%s",
             final,
             time.perf_counter() - started,
             ", background write" if background else "",
+            f"{hashed_bytes:,}",
+            hashed_s,
             f"; removed {', '.join(removed)}" if removed else "",
         )
 

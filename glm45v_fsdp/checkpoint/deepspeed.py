@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from glm45v_fsdp.checkpoint.integrity import check_manifest
 from glm45v_fsdp.checkpoint.layout import checkpoint_pieces, compare_keys, describe_diff, detect_expert_layout
 from glm45v_fsdp.checkpoint.safe_load import UnsafeCheckpointFile, load_pt
 from glm45v_fsdp.errors import UserError
@@ -127,6 +128,7 @@ def locate(path: str | Path, tag: str | None = None) -> DeepSpeedLayout:
             "mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt. Pass DeepSpeed's save_dir or "
             "one of its global_stepN directories."
         )
+    check_manifest(tag_dir, "DeepSpeed checkpoint")
     names = [p.name for p in tag_dir.iterdir()]
     stage3 = sorted(int(m.group(1)) for m in map(MODEL_STATES.match, names) if m and m.group(1) is not None)
     optim = sorted((int(m.group(2)), bool(m.group(1))) for m in map(OPTIM_STATES.match, names) if m)

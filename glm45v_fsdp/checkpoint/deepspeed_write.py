@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from glm45v_fsdp.checkpoint.integrity import write_manifest
 from glm45v_fsdp.errors import UserError
 
 DS_VERSION = "0.19.8"  # the layout written; DeepSpeed checks only that it is >= 0.3.17
@@ -265,5 +266,6 @@ def write_deepspeed(state: FullState, out: str | Path, stage: int, world: int) -
             for rank, file in enumerate(_stage3_files(state, world, scaler)):
                 torch.save({"module": module, **common}, tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
                 torch.save(file, tag_dir / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    write_manifest(tag_dir)
     (Path(out) / "latest").write_text(tag)
     return tag_dir

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from glm45v_fsdp.checkpoint.integrity import check_manifest
 from glm45v_fsdp.checkpoint.layout import (
     Piece,
     Shape,
@@ -135,6 +136,7 @@ def _open(path: Path):
 def checkpoint_files(directory: str | Path) -> tuple[Path, dict[str, Path]]:
     """(source file, key -> safetensors file) from the index, or from the directory's single *.safetensors file."""
     directory = Path(directory).expanduser()
+    check_manifest(directory, "HF checkpoint")
     index = directory / INDEX_FILE
     if index.is_file():
         try:

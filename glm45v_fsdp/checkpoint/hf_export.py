@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from glm45v_fsdp.checkpoint.hf import INDEX_FILE
+from glm45v_fsdp.checkpoint.integrity import write_manifest
 from glm45v_fsdp.checkpoint.layout import checkpoint_pieces, model_tensors, model_to_hub_tensors
 from glm45v_fsdp.errors import UserError
 
@@ -145,6 +146,7 @@ def export_hf(
         for extra in (tokenizer, image_processor):
             if extra is not None:
                 extra.save_pretrained(tmp)
+        write_manifest(tmp)
         _publish(tmp, out)
     if dist.is_initialized():
         dist.barrier()

@@ -1,5 +1,6 @@
 """Benchmarks. `python -m glm45v_fsdp.tools.bench SUBCOMMAND [options] [overrides]`, SUBCOMMAND one of
-overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops; every one but overhead runs through bench/runner.py.
+overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops|checkpoint; every one but overhead runs through
+bench/runner.py.
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -30,6 +31,9 @@ presets for this CPU machine and for one 8-device NPU or GPU node (bench/matrix.
 
 ops: each accelerator op's fast kernel against its reference (error, speed-up), then a training run with
 model.ops=auto against model.ops=reference (bench/ops.py).
+
+checkpoint: a run that saves at every step: the share of each save its checksums took, and their throughput
+(bench/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.bench import deepspeed_api, door, ep, longest, matrix, memory, parity
+from glm45v_fsdp.bench import checkpoint, deepspeed_api, door, ep, longest, matrix, memory, parity
 from glm45v_fsdp.errors import UserError
 
 
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     door.add_parser(sub)
     matrix.add_parser(sub)
     parity.add_parser(sub)
+    checkpoint.add_parser(sub)
     add_ops_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -96,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             return door.main_door(args, argv)
         if args.benchmark == "deepspeed":
             return deepspeed_api.main_deepspeed(args, argv)
+        if args.benchmark == "checkpoint":
+            return checkpoint.main_checkpoint(args, argv)
         if args.benchmark == "ops":
             from glm45v_fsdp.bench.ops import main_ops
 

@@ -13,6 +13,9 @@
                                      each read weights-only (the only way this backend reads a .bin).
   dcp-to-ds CKPT OUT --zero-stage N --world-size W   one of our checkpoints -> DeepSpeed's layout for ZeRO stage N
                                      on W ranks (checkpoint/deepspeed_write.py): DeepSpeed resumes it.
+  verify PATH                        every file of a checkpoint (or of every checkpoint of a save directory) against
+                                     its manifest of checksums: exit 0 when all are intact, 1 when one is damaged or
+                                     has no manifest.
 
 Both conversions run in one process and build the model from --config, else from the config the input carries
 (a training checkpoint's trainer state, or config.json), else the default tiny config. Errors exit 2.
@@ -68,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.add_argument("--zero-stage", type=int, required=True, help="the ZeRO stage DeepSpeed resumes with")
     sub.add_argument("--world-size", type=int, required=True, help="the data-parallel ranks DeepSpeed resumes on")
     sub.set_defaults(run="dcp_to_ds")
+    sub = commands.add_parser("verify", help="check a checkpoint's files against its checksums (offline)")
+    sub.add_argument("path", help="a checkpoint (DCP step, HF export, DeepSpeed tag) or a directory holding several")
+    sub.set_defaults(run="verify")
     return parser.parse_args(argv)
 
 

@@ -1,0 +1,112 @@
+"""`python -m glm45v_fsdp.tools.bench checkpoint`: what the checksums cost a save.
+
+One training run saves a checkpoint at every step (sync or, with --async-save, in the background); rank 0's log
+line of each save gives the save's seconds and the seconds rank 0 spent hashing the files it wrote (xxh3-64, right
+after writing them, while they are still in the page cache). The report: per save, the share of the save the
+checksums took, its median (goal: at most 5 %) and the hashing throughput. The model is the built-in tiny one
+unless the overrides say otherwise (e.g. model.config_overrides.text_config.hidden_size=512 for larger files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+from glm45v_fsdp.bench.options import add_run_options, bench_command, check_counts, settle
+from glm45v_fsdp.bench.runner import Run, Runner, md_table, write_report
+
+GOAL_PCT = 5.0
+_SAVED = re.compile(r"checkpoint saved: (\S+) \(([\d.]+) s(?:, background write)?; checksums of rank 0's ([\d,]+) "
+                    r"bytes ([\d.]+) s\)")  # fmt: skip
+
+
+def saves(log: str) -> list[dict[str, Any]]:
+    """Each published checkpoint of a training log: its save and checksum seconds and the bytes hashed."""
+    return [
+        {"checkpoint": Path(path).name, "save_s": float(save), "bytes": int(size.replace(",", "")),
+         "checksum_s": float(hashed)}
+        for path, save, size, hashed in _SAVED.findall(log)
+    ]  # fmt: skip
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    timed = rows[args.warmup :]
+    shares = [100.0 * row["checksum_s"] / row["save_s"] for row in timed]
+    throughput = sum(row["bytes"] for row in timed) / max(1e-9, sum(row["checksum_s"] for row in timed))
+    share = statistics.median(shares)
+    return {
+        "benchmark": "checkpoint",
+        "command": bench_command(args.argv),
+        "async_save": args.async_save,
+        "saves": rows,
+        "checksum_share_pct_median": share,
+        "checksum_gb_per_s": throughput / 1e9,
+        "goal_pct": GOAL_PCT,
+        "pass": share <= GOAL_PCT,
+        "notes": [
+            f"{len(timed)} saves after the first {args.warmup}; share = rank 0's checksum seconds / the save's "
+            "seconds (both from rank 0's log line); throughput = bytes hashed / hashing seconds over those saves.",
+            f"OMP_NUM_THREADS per rank: {args.threads}.",
+        ],
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    columns = ("checkpoint", "save s", "bytes hashed (rank 0)", "checksum s", "share")
+    cells = [
+        [row["checkpoint"], f"{row['save_s']:.3f}", f"{row['bytes']:,}", f"{row['checksum_s']:.4f}",
+         f"{100.0 * row['checksum_s'] / row['save_s']:.2f}%"]
+        for row in result["saves"]
+    ]  # fmt: skip
+    verdict = "pass" if result["pass"] else "FAIL"
+    lines = [
+        f"# Checkpoint checksums: their share of a save ({'async' if result['async_save'] else 'sync'} saves)",
+        "",
+        *md_table(columns, cells),
+        "",
+        f"- median share {result['checksum_share_pct_median']:.2f}% (goal <= {GOAL_PCT:g}%): {verdict}; hashing "
+        f"{result['checksum_gb_per_s']:.2f} GB/s",
+        *[f"- {note}" for note in result["notes"]],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "checkpoint",
+        help="the checksums' share of a checkpoint save, and their throughput",
+        description="One training run saving at every step; rank 0's log gives each save's and its checksums' time.",
+    )
+    parser.add_argument("--ranks", type=int, default=1, help="processes of the run (torchrun when > 1)")
+    parser.add_argument("--steps", type=int, default=12, help="training steps, one save each")
+    parser.add_argument("--warmup", type=int, default=2, help="first saves left out")
+    parser.add_argument("--async-save", action="store_true", help="training.async_save=true")
+    add_run_options(
+        parser, Path("output/bench/checkpoint"), threads_help="OMP_NUM_THREADS per rank (default: 1 on cpu)"
+    )
+
+
+def main_checkpoint(args: argparse.Namespace, argv: list[str]) -> int:
+    check_counts("checkpoint", args, ("ranks", "steps"))
+    settle(args, argv, "cpu")
+    runner = Runner("bench checkpoint", args.out, args.ranks, args.threads, args.run_timeout)
+    run_dir = runner.run_dir("saves")
+    overrides = [
+        f"training.output_dir={run_dir}",
+        f"training.save={run_dir / 'save'}",
+        f"training.train_iters={args.steps}",
+        "training.save_interval=1",
+        "training.save_keep_last=2",
+        f"training.async_save={str(args.async_save).lower()}",
+        "training.progress_bar=false",
+        *args.overrides,
+    ]
+    runner.train(Run("saves", overrides), overrides, run_dir)
+    rows = saves((run_dir / "train.log").read_text())
+    result = report(args, rows)
+    write_report(args.out, "checkpoint", result, markdown(result))
+    print(markdown(result))
+    return 0

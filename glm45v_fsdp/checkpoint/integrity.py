@@ -1,0 +1,122 @@
+"""Checksums of the checkpoint files we write: a manifest written before a checkpoint is published, verified before
+anything of it is used.
+
+`manifest.json` lists every file of the checkpoint (relative path, bytes, xxh3-64 of its bytes). While a sharded
+checkpoint is saved, each rank hashes the files it wrote right after writing them and leaves its part in
+`checksums/rank{R}.json`; rank 0 merges the parts into the manifest (waiting for every rank's part) before it renames
+the checkpoint into place and points `latest` at it. A directory written by one process (an HF export, a DeepSpeed
+checkpoint) gets its manifest from `write_manifest` after its last file. xxh3-64 (the `xxhash` library) hashes at
+about 28 GB/s on one core here, so the cost of a save is the read-back of files that are still in the page cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import xxhash
+
+from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.log import get_logger
+
+MANIFEST_FILE = "manifest.json"
+PARTS_DIR = "checksums"
+ALGORITHM = "xxh3_64"
+_CHUNK = 8 << 20
+
+
+def file_digest(path: Path) -> str:
+    """xxh3-64 of the file's bytes, read in 8 MiB chunks."""
+    digest = xxhash.xxh3_64()
+    with path.open("rb") as stream:
+        while chunk := stream.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checksums(root: Path, files: list[Path]) -> dict[str, dict]:
+    """{path relative to root: {"bytes", ALGORITHM}} of `files`."""
+    return {
+        file.relative_to(root).as_posix(): {"bytes": file.stat().st_size, ALGORITHM: file_digest(file)}
+        for file in sorted(files)
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Written whole, then renamed into place: a reader sees the complete file or none."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(partial, path)
+
+
+def write_part(checkpoint: Path, rank: int, files: list[Path]) -> None:
+    """This rank's checksums of the files it wrote into `checkpoint` (a save in progress)."""
+    (checkpoint / PARTS_DIR).mkdir(exist_ok=True)
+    _write_json(checkpoint / PARTS_DIR / f"rank{rank}.json", checksums(checkpoint, files))
+
+
+def merge_parts(checkpoint: Path, world_size: int, timeout_s: float = 600.0) -> None:
+    """Rank 0: wait for every rank's part, then write the manifest and remove the parts."""
+    parts = [checkpoint / PARTS_DIR / f"rank{rank}.json" for rank in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while missing := [part for part in parts if not part.is_file()]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"checkpoint {checkpoint}: no checksums from {len(missing)} rank(s) in {timeout_s} s")
+        time.sleep(0.01)
+    files: dict[str, dict] = {}
+    for part in parts:
+        files.update(json.loads(part.read_text()))
+    _write_json(checkpoint / MANIFEST_FILE, {"algorithm": ALGORITHM, "files": files})
+    for part in parts:
+        part.unlink()
+    (checkpoint / PARTS_DIR).rmdir()
+
+
+def write_manifest(directory: Path) -> None:
+    """The manifest of every file under `directory` (written by this process alone)."""
+    files = [path for path in directory.rglob("*") if path.is_file() and path.name != MANIFEST_FILE]
+    _write_json(directory / MANIFEST_FILE, {"algorithm": ALGORITHM, "files": checksums(directory, files)})
+
+
+def verify(directory: Path) -> str | None:
+    """What is wrong with `directory`'s files against its manifest (the first damaged file, and how); None when
+    every listed file is intact. A directory without a manifest is not verified: `has_manifest` tells."""
+    try:
+        manifest = json.loads((directory / MANIFEST_FILE).read_text())
+        files = manifest["files"]
+        assert manifest["algorithm"] == ALGORITHM
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return f"{directory / MANIFEST_FILE} is not a readable checksum manifest"
+    for name, expected in sorted(files.items()):
+        file = directory / name
+        if not file.is_file():
+            return f"{file} is missing (the manifest lists it)"
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            return f"{file} has {size} bytes, the manifest says {expected['bytes']}: it is truncated or was replaced"
+        if file_digest(file) != expected[ALGORITHM]:
+            return (
+                f"{file} does not match its checksum ({ALGORITHM} {file_digest(file)}, the manifest says "
+                f"{expected[ALGORITHM]}): its bytes changed after it was written (a bad copy, bit rot or an edit)"
+            )
+    return None
+
+
+def has_manifest(directory: Path) -> bool:
+    return (directory / MANIFEST_FILE).is_file()
+
+
+def check_manifest(directory: Path, kind: str) -> None:
+    """A directory with a manifest must match it (a UserError naming the damaged file); one without is logged as not
+    verified (DeepSpeed's, the hub's, or ours from before checksums)."""
+    if not has_manifest(directory):
+        get_logger().info("%s %s: not verified, it has no %s", kind, directory, MANIFEST_FILE)
+        return
+    problem = verify(directory)
+    if problem is not None:
+        raise UserError(
+            f"{kind} '{directory}' is damaged: {problem}. Nothing of it was loaded. Restore the file from a good copy, "
+            f"or load an earlier checkpoint (`python -m glm45v_fsdp.tools.convert verify DIR` checks one offline)."
+        )
