@@ -237,6 +237,10 @@ class TrainingConfig:
     # Fast failure (runtime/watchdog.py): a rank silent this long (killed, out of memory, node lost) ends the job;
     # a rank that fails with an error ends it at once. 0 = off (the process-group timeout, 30 min, applies).
     peer_timeout_s: float = 30.0
+    # A stuck job (runtime/stuck.py): no step finished for this long ends every rank (exit 5) after each dumps its
+    # stacks and last collectives and rank 0 names the ranks behind. null: max(600 s, 20 x the median step after
+    # the first 3); 0 = off.
+    step_timeout_s: float | None = None
     output_dir: str = "output/glm45v_tiny"
     log_interval: int = 1
     progress_bar: bool = True

@@ -4,6 +4,7 @@ checkpoint cadence and resume."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +44,8 @@ from glm45v_fsdp.runtime import MemoryMeter
 from glm45v_fsdp.runtime.faults import Fault
 from glm45v_fsdp.runtime.preemption import EXIT_PREEMPTED, PreemptionWatch
 from glm45v_fsdp.runtime.profiling import StepProfiler
+from glm45v_fsdp.runtime.stuck import CollectiveLog, StepDeadline
+from glm45v_fsdp.runtime.watchdog import current_watchdog
 from glm45v_fsdp.step import OptimizerStep, StepOutcome
 
 Batch = dict[str, torch.Tensor]
@@ -280,9 +283,15 @@ class Trainer:
             mine = torch.cat([mine, moe_counts.flatten().to(device, torch.float64)])
         world = self.runtime.env.world_size
         gathered = [mine]
-        if world > 1:
+        skip = self.fault is not None and self.fault.hits("skip_collective", self.runtime.env.rank, self.step - 1)
+        if world > 1 and not skip:
             gathered = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(gathered, mine)
+        elif skip:
+            get_logger().warning(
+                "GLM45V_FAULT: rank %d skips the per-step all-gather of step %d", self.runtime.env.rank, self.step
+            )
+            gathered = [mine] * world
         per_rank = [[float(g[index]) for g in gathered] for index in range(len(figures))]
         if moe_counts is None:
             return per_rank, None
@@ -337,6 +346,11 @@ class Trainer:
     def _next_micro_batches(self, iterator: Iterator[Batch]) -> list[Batch]:
         """The step's micro batches. A data error here stops every rank: the failing rank first tells the others
         through the collective they would otherwise wait in (train_step's first all-reduce)."""
+        if self.fault is not None and self.fault.hits("hang", self.runtime.env.rank, self.step):
+            get_logger().warning(
+                "GLM45V_FAULT: rank %d hangs in its data loader after step %d", self.runtime.env.rank, self.step
+            )
+            threading.Event().wait()
         try:
             batches = [next(iterator) for _ in range(self.config.training.gradient_accumulation_steps)]
         except UserError:
@@ -451,10 +465,13 @@ class Trainer:
             desc="train",
         )
         self.model.train()
+        self.deadline = self._step_deadline().start() if training.step_timeout_s != 0 else None
         try:
             with self.preemption.installed():
                 self._loop(iterator, bar)
         finally:
+            if self.deadline is not None:
+                self.deadline.stop()
             bar.close()
             waited = self.checkpointer.wait() if self.checkpointer is not None else 0.0
         summary = self._summary()
@@ -480,6 +497,8 @@ class Trainer:
             self.profiler.before_step(self.step + 1)
             start = time.perf_counter()
             record = self.step_once(self._next_micro_batches(iterator), started=start)
+            if self.deadline is not None:
+                self.deadline.step_done(self.step, time.perf_counter() - start)
             self.profiler.after_step(self.step)
             bar.update(1)
             if self.runtime.is_main and (self.step % training.log_interval == 0 or self.step == training.train_iters):
@@ -492,6 +511,21 @@ class Trainer:
                     self.save_checkpoint()
             if self.fault is not None:
                 self.fault.maybe_fire(self.runtime.env.rank, self.step)
+
+    def _step_deadline(self) -> StepDeadline:
+        """The stuck-job deadline of this run (runtime/stuck.py), on the fast-failure watchdog's store when the job
+        has one (its verdict names the ranks behind), with every collective of this process logged."""
+        collectives = CollectiveLog()
+        collectives.install()
+        watchdog = current_watchdog()
+        return StepDeadline(
+            self.config.training.step_timeout_s,
+            self.runtime.env.rank,
+            self.runtime.env.world_size,
+            watchdog.store if watchdog is not None else None,
+            self.output_dir / "stuck",
+            collectives,
+        )
 
     def _summary(self) -> dict[str, Any]:
         """summarize() over this process's steps; empty when a resume started at training.train_iters."""
