@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from glm45v_fsdp import builders
+from glm45v_fsdp.model.loss import with_video_frames
 from glm45v_fsdp.runtime import mesh as mesh_module
 from glm45v_fsdp.runtime.comm_count import CollectiveCounter
 from glm45v_fsdp.train import end_process, run
@@ -69,12 +70,15 @@ def main(runs_path: str, out: str) -> None:
     count_flops = False
     original_step = Trainer.train_step
 
+    def vision_items(batch) -> list[int]:
+        """The patches of each item the vision tower encodes, in sequence order: each image and each temporal patch
+        of a video (model/loss.py with_video_frames)."""
+        merged = with_video_frames(batch)
+        return merged["image_grid_thw"].prod(-1).tolist() if "image_grid_thw" in merged else []
+
     def counted_step(self, micro_batches):
         shapes.extend(
-            {
-                "input_ids": list(batch["input_ids"].shape),
-                "image_patches": batch["image_grid_thw"].prod(-1).tolist() if "image_grid_thw" in batch else [],
-            }
+            {"input_ids": list(batch["input_ids"].shape), "image_patches": vision_items(batch)}
             for batch in micro_batches
         )
         if not count_flops:

@@ -4,6 +4,7 @@ of a wrong path, column or split; a 2-step training run with the same losses as 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
@@ -25,6 +26,7 @@ from glm45v_fsdp.data import datasets as datasets_module
 from glm45v_fsdp.data.hf_datasets import load_image_bytes
 from glm45v_fsdp.data.images import BadImage, load_image
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.model import load_hf_config
 
 KEYS = (
@@ -148,11 +150,32 @@ def reference(folder, hf_config, tokenizer, image_processor):
     return json_data
 
 
+@contextlib.contextmanager
+def logged(level: int):
+    """The glm45v_fsdp logger's messages at `level` and above while the block runs (a handler of its own: the
+    trainer's logging setup in an earlier test of the session may have stopped the logger's propagation)."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger, handler = get_logger(), Collect(level)
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level, previous or level))
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
 @pytest.mark.parametrize("source", ["disk", "data.parquet"])
-def test_hf_samples_equal_the_json_ones(folder, hf_config, tokenizer, image_processor, reference, source, caplog):
+def test_hf_samples_equal_the_json_ones(folder, hf_config, tokenizer, image_processor, reference, source):
     # relative paths are relative to data.image_root, by default the directory data_path names or the file's directory
     root = str(folder) if source == "disk" else None
-    with caplog.at_level(logging.INFO, logger="glm45v_fsdp"):
+    with logged(logging.INFO) as messages:
         data = build(
             hf_config, tokenizer, image_processor, dataset="hf", data_path=str(folder / source), image_root=root
         )
@@ -161,8 +184,8 @@ def test_hf_samples_equal_the_json_ones(folder, hf_config, tokenizer, image_proc
     assert data.summary().startswith(f"Hugging Face data set '{folder / source}' (data.dataset=hf), 5 rows with ")
     assert "5 rows with 4 image(s) and 2 video(s)" in data.summary()
     assert "5 records with 4 image(s) and 2 video(s)" in reference.summary()
-    assert any("holds 5 rows" in line for line in caplog.messages), caplog.messages
-    assert any("checked 5 of 5 rows" in line for line in caplog.messages), caplog.messages
+    assert any("holds 5 rows" in line for line in messages), messages
+    assert any("checked 5 of 5 rows" in line for line in messages), messages
 
 
 def test_the_image_bytes_are_read_not_the_paths(folder, hf_config, tokenizer, image_processor):
@@ -247,15 +270,15 @@ def test_a_bad_row_stops_naming_the_row(tmp_path, hf_config, tokenizer, image_pr
     assert "cannot be decoded as an image" in text and "data.on_bad_record=skip" in text
 
 
-def test_a_bad_row_is_skipped_when_asked(tmp_path, hf_config, tokenizer, image_processor, caplog):
+def test_a_bad_row_is_skipped_when_asked(tmp_path, hf_config, tokenizer, image_processor):
     path = bad_rows(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="glm45v_fsdp"):
+    with logged(logging.WARNING) as messages:
         data = build(hf_config, tokenizer, image_processor, dataset="hf", data_path=str(path), on_bad_record="skip")
     assert (len(data), data.skipped_records, data.total_records, list(data.indices)) == (2, 1, 3, [0, 2])
     assert data.describe(1) == f"Row 2 (0-based) of Hugging Face data set '{path}'"
     assert "2 rows with 0 image(s) and 0 video(s)" in data.summary() and "1 bad row(s) skipped" in data.summary()
-    assert any(f"Row 1 (0-based) of Hugging Face data set '{path}'" in line for line in caplog.messages)
-    assert any("skipped 1 bad row(s) of 3" in line for line in caplog.messages), caplog.messages
+    assert any(f"Row 1 (0-based) of Hugging Face data set '{path}'" in line for line in messages)
+    assert any("skipped 1 bad row(s) of 3" in line for line in messages), messages
 
 
 def test_each_rank_reads_only_its_rows(tmp_path, monkeypatch, hf_config, tokenizer, image_processor):
