@@ -104,7 +104,8 @@ training = SFTConfig(
     router_aux_loss_coef=0.0,  # see the module docstring: TRL's aux loss fails on GLM-4.5V's config
 )
 model = Glm4vMoeForConditionalGeneration.from_pretrained(args.hf_dir, dtype=torch.float32)
-data = build_training_data(load_config(None, ["data.shuffle=false"]), model.config)
+# image samples only: SFTTrainer refuses a GLM-4.5V video sample (tests/test_glm_door_trl.py TRL_DATA)
+data = build_training_data(load_config(None, ["data.shuffle=false", "data.synthetic_video_every=0"]), model.config)
 # SFTTrainer takes a `datasets` Dataset only: the first SAMPLES of ours, tensors kept (the torch format)
 samples = [{k: v.numpy() for k, v in data.dataset[index].items() if k in KEYS} for index in range(SAMPLES)]
 dataset = Dataset.from_list(samples).with_format("torch")

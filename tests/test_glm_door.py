@@ -213,18 +213,21 @@ def test_api_script_hybrid_context_parallel_equals_cp1_and_the_trainer_door(name
         assert result[f"{name}_plans"]["expert_parallel"] > 0 and groups["ep_name"] == "ep_size_2"
 
 
-def hf_script_run(root: Path, script: Path, hf_dir: Path) -> dict:
+def hf_script_run(root: Path, script: Path, hf_dir: Path, *data: str) -> dict:
     """An HF Trainer-style script (tests/glm_door_hf_common.py) with its features on, resumed from checkpoint-3 in a
     fresh launch, with every feature off, and the trainer door beside it on the ds_config the script resolved.
 
     transformers' GLM-4.5V declares accepts_loss_kwargs=False: the Trainer (and TRL) average the micro batches' token
     means, as the trainer door's loss_type=default does. gradient_checkpointing=True is a TrainingArguments switch,
-    not a ds_config key: the trainer door gets it as ours."""
+    not a ds_config key: the trainer door gets it as ours. `data`: the script's data overrides, for the trainer door
+    too."""
     log = launch(script, 2, root / "door", "--hf_dir", str(hf_dir))
     launch(script, 2, root / "door", "--hf_dir", str(hf_dir), "--resume")
     launch(script, 2, root / "off", "--hf_dir", str(hf_dir), "--features_off")
     ds_config = json.loads((root / "door" / "ds_config.json").read_text())
-    reference, reference_log = trainer_door(root / "trainer", ds_config, hf_dir, 2, "features.recompute.enabled=true")
+    reference, reference_log = trainer_door(
+        root / "trainer", ds_config, hf_dir, 2, "features.recompute.enabled=true", *data
+    )
     return {
         "root": root,
         "hf_dir": hf_dir,

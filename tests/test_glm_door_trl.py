@@ -31,6 +31,9 @@ import pytest
 from conftest import REPO, mean_relative_error
 from test_glm_door import LIMIT, SAVE_AT, STEPS, assert_reloads, hf_dir, hf_script_run, launch, plan_lines
 
+# TRL's SFTTrainer counts a sample's <|image|> tokens against image_grid_thw alone; GLM-4.5V's video tokens are
+# <|image|> tokens too, so it refuses a video sample as truncated: the TRL runs train on image samples (as the script)
+TRL_DATA = ("data.synthetic_video_every=0",)
 __all__ = ["hf_dir"]  # the module fixture of tests/test_glm_door.py: the same tiny GLM-4.5V as an HF directory
 
 TRL_SCRIPT = REPO / "tests" / "glm_trl_script.py"
@@ -38,7 +41,7 @@ TRL_SCRIPT = REPO / "tests" / "glm_trl_script.py"
 
 @pytest.fixture(scope="module")
 def trl_run(tmp_path_factory, hf_dir) -> dict:
-    return hf_script_run(tmp_path_factory.mktemp("trl_sft"), TRL_SCRIPT, hf_dir)
+    return hf_script_run(tmp_path_factory.mktemp("trl_sft"), TRL_SCRIPT, hf_dir, *TRL_DATA)
 
 
 def test_trl_sft_on_the_whole_engine_equals_the_trainer_door(trl_run):
