@@ -44,8 +44,9 @@ from ds_compat.glm_door import (
 from ds_compat.utils import groups, z3_leaf_module
 from ds_compat.zero.partition_parameters import gather_full, is_partitioned
 from glm45v_fsdp.builders import adopt_model
-from glm45v_fsdp.checkpoint.dcp import LoadAdvice, load_checkpoint, save_model_and_optimizer
+from glm45v_fsdp.checkpoint.dcp import METADATA_FILE, LoadAdvice, load_checkpoint, save_model_and_optimizer
 from glm45v_fsdp.checkpoint.deepspeed import load_into, read_deepspeed, tag_dir_of
+from glm45v_fsdp.checkpoint.integrity import check_manifest, merge_parts, write_part
 from glm45v_fsdp.checkpoint.safe_load import load_pt, unsafe_globals
 from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE
 from glm45v_fsdp.config import Config, to_dict
@@ -760,8 +761,15 @@ class DeepSpeedEngine(nn.Module):
         path = save_dir / tag
         with self._sharded_state_dicts():
             save_model_and_optimizer(path, self.module, self.optimizer)
+        # the checksums (checkpoint/integrity.py): each rank's shards, rank 0's metadata and engine state, merged
+        # into the manifest before `latest` names the tag
+        mine = list(path.glob(f"__{self.global_rank}_*.distcp"))
         if self.global_rank == 0:
             (path / ENGINE_STATE_FILE).write_bytes(engine_state)
+            mine += [path / METADATA_FILE, path / ENGINE_STATE_FILE]
+        write_part(path, self.global_rank, mine)
+        if self.global_rank == 0:
+            merge_parts(path, self.world_size)
             if save_latest:
                 (save_dir / LATEST_FILE).write_text(tag)
         dist.barrier()
@@ -844,6 +852,7 @@ class DeepSpeedEngine(nn.Module):
                 "written by DeepSpeed (no mp_rank_00_model_states.pt / zero_pp_rank_0_mp_rank_00_model_states.pt). "
                 "Pass the save_dir given to save_checkpoint and one of its tags."
             )
+        check_manifest(path, "DeepSpeed-API checkpoint")  # before anything of it is read
         state = load_pt(state_file)  # before the weights: a refused file leaves the engine as it was
         with self._sharded_state_dicts():
             optimizer = self.optimizer if with_optimizer else None

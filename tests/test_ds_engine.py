@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -130,6 +131,26 @@ def test_checkpoint_round_trip(runs, backend, stage):
         tag_dir = Path(runs[backend]["save_dir"], f"zero{stage}", f"global_step{STEPS}")
         assert checkpoint["path"] == str(tag_dir)
         assert (tag_dir / ".metadata").is_file() and (tag_dir / "engine_state.pt").is_file()
+
+
+def test_engine_checkpoints_carry_checksums_that_catch_a_flipped_bit(runs, tmp_path):
+    """save_checkpoint writes manifest.json (each rank's shards, the metadata, engine_state.pt) before `latest`;
+    load_checkpoint checks it first: one flipped bit in a shard is named before anything is read."""
+    from glm45v_fsdp.checkpoint.integrity import MANIFEST_FILE, check_manifest, verify
+
+    for stage in STAGES:
+        tag = Path(runs["ds_compat"]["save_dir"], f"zero{stage}", f"global_step{STEPS}")
+        files = json.loads((tag / MANIFEST_FILE).read_text())["files"]
+        assert {".metadata", "engine_state.pt", "__0_0.distcp", "__1_0.distcp"} <= set(files), sorted(files)
+        assert verify(tag) is None
+    damaged = tmp_path / "tag"
+    shutil.copytree(tag, damaged)
+    shard = damaged / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    shard.write_bytes(data)
+    with pytest.raises(UserError, match="__1_0.distcp does not match its checksum"):
+        check_manifest(damaged, "DeepSpeed-API checkpoint")
 
 
 def test_zero_to_fp32_cli(runs, tmp_path):

@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 from conftest import PARITY, REPO, clean_env, read_metrics
 
+from glm45v_fsdp.checkpoint.integrity import verify
+
 NODES, PER_NODE = 2, 2  # every job but the node-loss ones (one rank per node)
 CLUSTER_NODES = 3
 SLURMD_TIMEOUT_S = 20  # Slurm declares a silent node DOWN (and ends its jobs) after this long; Slurm's default: 300
@@ -457,8 +459,8 @@ def storage(cluster, launched, one_host, tmp_path_factory) -> dict[str, dict]:
 
 
 def test_a_shared_checkpoint_directory_has_one_writer_per_file(launched):
-    """Written from 2 nodes: each rank's own shard and RNG file, rank 0's metadata and trainer state, `latest`
-    published once per checkpoint, no probe or temporary left behind."""
+    """Written from 2 nodes: each rank's own shard and RNG file, rank 0's metadata and trainer state, the manifest of
+    every file's checksum, `latest` published once per checkpoint, no probe or temporary left behind."""
     launch = launched["106b script"]
     assert all(code == 0 for code in launch.codes), launch.log[-3000:]
     save = launch.folder / "ckpt"
@@ -468,8 +470,9 @@ def test_a_shared_checkpoint_directory_has_one_writer_per_file(launched):
     for step in steps:
         files = sorted(str(path.relative_to(save / step)) for path in (save / step).rglob("*") if path.is_file())
         ranks = range(NODES * PER_NODE)
-        assert files == sorted([".metadata", "trainer_state.pt", *(f"__{r}_0.distcp" for r in ranks),
+        assert files == sorted([".metadata", "trainer_state.pt", "manifest.json", *(f"__{r}_0.distcp" for r in ranks),
                                 *(f"rng/rank{r}.pt" for r in ranks)])  # fmt: skip
+        assert verify(save / step) is None  # the ranks' checksum parts from both nodes, merged by rank 0
     assert launch.log.count("checkpoint saved: ") == len(steps)  # rank 0 publishes, once per checkpoint
 
 

@@ -87,9 +87,13 @@ def saved(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def copy(saved, tmp_path):
-    """A fresh copy of the saved checkpoint directory (training.save layout) to plant into."""
+    """A fresh copy of the saved checkpoint directory (training.save layout) to plant into, as a checkpoint from
+    elsewhere: without our checksum manifests (with one, the checksum names a planted file first:
+    tests/test_checkpoint_integrity.py), so the loaders' own defenses meet the planted files."""
     target = tmp_path / "save"
     shutil.copytree(saved / "save", target)
+    for manifest in target.rglob("manifest.json"):
+        manifest.unlink()
     return target
 
 
@@ -226,6 +230,12 @@ def test_engine_checkpoint_round_trips_weights_only_and_refuses_a_planted_engine
 
     canary = tmp_path / "canary"
     plant(state_file, canary)
+    # the engine's checkpoint carries checksums: the planted file is named by its checksum before anything is read
+    result = python([str(engine_script), "load", str(save_dir)])
+    assert result.returncode == 2 and "engine_state.pt has" in result.stderr and "the manifest says" in result.stderr
+    assert not canary.exists() and result.stdout.count("loaded") == 0
+    # as a checkpoint from elsewhere (no manifest), the weights-only load refuses it
+    (save_dir / "global_step0" / "manifest.json").unlink()
     result = python([str(engine_script), "load", str(save_dir)])
     assert result.stdout.count("loaded") == 0
     assert_refused(result, canary, "engine_state.pt")
@@ -264,6 +274,7 @@ def pickle_hf(saved: Path, target: Path) -> dict[str, torch.Tensor]:
         weights.update(load_file(path))
         path.unlink()
     (target / "model.safetensors.index.json").unlink()
+    (target / "manifest.json").unlink()  # an older HF checkpoint carries no manifest of ours
     torch.save(weights, target / "pytorch_model.bin")
     return weights
 
@@ -301,6 +312,7 @@ def test_bin_to_hf_refuses_a_planted_bin(saved, tmp_path):
 def test_remote_code_in_config_json_is_ignored_and_logged(saved, tmp_path):
     model_dir = tmp_path / "model"
     shutil.copytree(saved / "hf", model_dir)
+    (model_dir / "manifest.json").unlink()  # a hub directory: no manifest of ours
     config = json.loads((model_dir / "config.json").read_text())
     config["auto_map"] = {"AutoModel": "modeling_evil.EvilModel"}
     (model_dir / "config.json").write_text(json.dumps(config))
