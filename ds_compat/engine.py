@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import io
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -44,7 +46,14 @@ from ds_compat.glm_door import (
 from ds_compat.utils import groups, z3_leaf_module
 from ds_compat.zero.partition_parameters import gather_full, is_partitioned
 from glm45v_fsdp.builders import adopt_model
-from glm45v_fsdp.checkpoint.dcp import METADATA_FILE, LoadAdvice, load_checkpoint, save_model_and_optimizer
+from glm45v_fsdp.checkpoint.dcp import (
+    METADATA_FILE,
+    LoadAdvice,
+    load_checkpoint,
+    save_model_and_optimizer,
+    storage_error,
+    storage_failure,
+)
 from glm45v_fsdp.checkpoint.deepspeed import load_into, read_deepspeed, tag_dir_of
 from glm45v_fsdp.checkpoint.integrity import check_manifest, merge_parts, write_part
 from glm45v_fsdp.checkpoint.safe_load import load_pt, unsafe_globals
@@ -759,22 +768,43 @@ class DeepSpeedEngine(nn.Module):
         engine_state = self._plain_engine_state(client_state or {})
         self._check_tag(tag)
         path = save_dir / tag
-        with self._sharded_state_dicts():
-            save_model_and_optimizer(path, self.module, self.optimizer)
-        # the checksums (checkpoint/integrity.py): each rank's shards, rank 0's metadata and engine state, merged
-        # into the manifest before `latest` names the tag
-        mine = list(path.glob(f"__{self.global_rank}_*.distcp"))
-        if self.global_rank == 0:
-            (path / ENGINE_STATE_FILE).write_bytes(engine_state)
-            mine += [path / METADATA_FILE, path / ENGINE_STATE_FILE]
-        write_part(path, self.global_rank, mine)
-        if self.global_rank == 0:
-            merge_parts(path, self.world_size)
-            if save_latest:
-                (save_dir / LATEST_FILE).write_text(tag)
+        try:
+            with self._sharded_state_dicts():
+                save_model_and_optimizer(path, self.module, self.optimizer)
+            # the checksums (checkpoint/integrity.py): each rank's shards, rank 0's metadata and engine state,
+            # merged into the manifest before `latest` names the tag
+            mine = list(path.glob(f"__{self.global_rank}_*.distcp"))
+            if self.global_rank == 0:
+                (path / ENGINE_STATE_FILE).write_bytes(engine_state)
+                mine += [path / METADATA_FILE, path / ENGINE_STATE_FILE]
+            write_part(path, self.global_rank, mine)
+            if self.global_rank == 0:
+                merge_parts(path, self.world_size)
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            self._save_failed(error, save_dir, path)
+        if self.global_rank == 0 and save_latest:
+            (save_dir / LATEST_FILE).write_text(tag)
         dist.barrier()
         self.log.info("ds_compat: checkpoint saved to %s", path)
         return True
+
+    def _save_failed(self, error: BaseException, save_dir: Path, path: Path) -> None:
+        """A save that ran out of space or permission (ENOSPC, EDQUOT, EROFS, EACCES): the tag's partial directory is
+        removed and `latest` keeps naming the previous tag, in one paragraph; anything else keeps its traceback."""
+        cause = storage_failure(error, path if path.is_dir() else save_dir)
+        if cause is None:
+            raise error
+        shutil.rmtree(path, ignore_errors=True)
+        latest = save_dir / LATEST_FILE
+        previous = save_dir / latest.read_text().strip() if latest.is_file() else None
+        raise storage_error(
+            cause,
+            f"save_checkpoint('{save_dir}', tag '{path.name}') could not write the checkpoint",
+            save_dir,
+            previous if previous is not None and previous.is_dir() else None,
+            path.name,
+            "(load_checkpoint resumes from it)",
+        ) from None
 
     @contextlib.contextmanager
     def _sharded_state_dicts(self) -> Iterator[None]:

@@ -198,3 +198,18 @@ def test_checkpoint_bench_reads_each_save_and_judges_the_share(tmp_path):
     assert result["checksum_share_pct_median"] == pytest.approx(2.0) and result["pass"]  # 2 %, 8 %, 2 %
     assert result["checksum_gb_per_s"] == pytest.approx(3 * 6_615_474 / 0.03 / 1e9)
     assert not checkpoint.report(argparse.Namespace(**{**vars(args), "warmup": 0}), rows[:2])["pass"]  # 50 %, 2 %
+
+
+def test_the_engine_door_reports_a_full_disk_in_one_paragraph(tmp_path):
+    """deepspeed.initialize(...).save_checkpoint on a 256 KiB tmpfs (its checkpoint takes 586 KB): exit 2, the
+    reason, no partial tag directory and no `latest`."""
+    from test_safe_load import ENGINE_SCRIPT
+
+    script = tmp_path / "engine_checkpoint.py"
+    script.write_text(ENGINE_SCRIPT.format(tests=str(Path(__file__).parent), namespace="1"))
+    with tmpfs(tmp_path / "disk", "size=256k") as disk:
+        result = python([str(script), "save", str(disk / "ck")])
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert "save_checkpoint(" in result.stderr and "no space left (ENOSPC" in result.stderr
+        assert "No checkpoint of this run is complete yet; the partial global_step0 was removed" in result.stderr
+        assert sorted(p.name for p in (disk / "ck").iterdir()) == []

@@ -422,6 +422,34 @@ def _probe_write(directory: Path) -> OSError | None:
     return None
 
 
+def storage_error(
+    cause: OSError, what: str, directory: Path, previous: Path | None, partial: str, resumes: str
+) -> UserError:
+    """The one paragraph of a save that ran out of space or permission: `what` failed and why, the bytes it needs
+    (the size of the `previous` checkpoint) against the bytes free, that `previous` stays the latest (and
+    `resumes`), and that the `partial` directory was removed."""
+    needed = (
+        f"about {directory_bytes(previous):,} bytes (the size of {previous.name})"
+        if previous is not None
+        else "unknown bytes (no earlier checkpoint to size it)"
+    )
+    try:
+        free = f"{shutil.disk_usage(directory).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    kept = (
+        f"The previous checkpoint {previous} stays `latest` {resumes}"
+        if previous is not None
+        else "No checkpoint of this run is complete yet"
+    )
+    return UserError(
+        f"{what}: {STORAGE_ERRNOS[cause.errno]} ({errno.errorcode[cause.errno]}: {cause.strerror}"
+        f"{f' on {cause.filename}' if cause.filename else ''}). It needs {needed}; the file system has {free}. "
+        f"{kept}; the partial {partial} was removed. Free space (or quota), make the directory writable, or point "
+        f"the checkpoints at storage that can hold them."
+    )
+
+
 def save_pt(obj: Any, path: Path) -> None:
     """torch.save through memory: a full disk raises the OSError (ENOSPC) instead of torch's writer's RuntimeError."""
     buffer = io.BytesIO()
@@ -616,26 +644,13 @@ class Checkpointer:
             raise error
         shutil.rmtree(tmp, ignore_errors=True)
         previous = complete_checkpoints(self.save_dir)
-        needed = (
-            f"about {directory_bytes(previous[-1]):,} bytes (the size of {previous[-1].name})"
-            if previous
-            else "unknown bytes (no earlier checkpoint to size it)"
-        )
-        try:
-            free = f"{shutil.disk_usage(self.save_dir).free:,} bytes free"
-        except OSError:
-            free = "free space unknown"
-        kept = (
-            f"The previous checkpoint {previous[-1]} stays `latest` and resumes the run (training.resume=auto)"
-            if previous
-            else "No checkpoint of this run is complete yet"
-        )
-        raise UserError(
-            f"Checkpoint step {step} could not be written to '{self.save_dir}' (training.save): "
-            f"{STORAGE_ERRNOS[cause.errno]} ({errno.errorcode[cause.errno]}: {cause.strerror}"
-            f"{f' on {cause.filename}' if cause.filename else ''}). It needs {needed}; the file system has {free}. "
-            f"{kept}; the partial {tmp.name} was removed. Free space (or quota), make the directory writable, or point "
-            f"training.save at storage that can hold the checkpoints."
+        raise storage_error(
+            cause,
+            f"Checkpoint step {step} could not be written to '{self.save_dir}' (training.save)",
+            self.save_dir,
+            previous[-1] if previous else None,
+            tmp.name,
+            "and resumes the run (training.resume=auto)",
         ) from None
 
     def _publish(self, step: int, tmp: Path, started: float, background: bool) -> None:
