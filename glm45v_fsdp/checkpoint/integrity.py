@@ -96,9 +96,9 @@ def verify(directory: Path) -> str | None:
         size = file.stat().st_size
         if size != expected["bytes"]:
             return f"{file} has {size} bytes, the manifest says {expected['bytes']}: it is truncated or was replaced"
-        if file_digest(file) != expected[ALGORITHM]:
+        if (digest := file_digest(file)) != expected[ALGORITHM]:
             return (
-                f"{file} does not match its checksum ({ALGORITHM} {file_digest(file)}, the manifest says "
+                f"{file} does not match its checksum ({ALGORITHM} {digest}, the manifest says "
                 f"{expected[ALGORITHM]}): its bytes changed after it was written (a bad copy, bit rot or an edit)"
             )
     return None
