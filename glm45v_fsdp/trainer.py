@@ -517,12 +517,11 @@ class Trainer:
         has one (its verdict names the ranks behind), with every collective of this process logged."""
         collectives = CollectiveLog()
         collectives.install()
-        watchdog = current_watchdog()
         return StepDeadline(
             self.config.training.step_timeout_s,
             self.runtime.env.rank,
             self.runtime.env.world_size,
-            watchdog.store if watchdog is not None else None,
+            current_watchdog(),
             self.output_dir / "stuck",
             collectives,
         )

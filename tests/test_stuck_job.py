@@ -119,3 +119,25 @@ def test_the_default_timeout_follows_the_measured_steps(tmp_path):
         deadline.step_done(step, seconds)
     assert deadline.timeout_s == DEFAULT_FACTOR * median([40.0, 41.0, 39.0])  # 800 s: the first 3 left out
     assert StepDeadline(7.0, 0, 1, None, tmp_path, CollectiveLog()).timeout_s == 7.0
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_every_rank_joins_the_verdict_whichever_deadline_fires_first(tmp_path, first):
+    """The other rank's deadline is far away: it joins the verdict the first rank started and exits 5, instead of
+    being ended by its watchdog (exit 4) when rank 0 exits and takes the store with it."""
+    port = free_port()
+    processes, logs = [], []
+    for rank in (0, 1):
+        logs.append(tmp_path / f"rank{rank}.log")
+        command = [sys.executable, str(REPO / "tests" / "stuck_verdict_script.py"), str(rank), str(port),
+                   "2" if rank == first else "300", str(tmp_path)]  # fmt: skip
+        processes.append(subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=logs[-1].open("w"),
+                                          stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+    codes = [process.wait(timeout=120) for process in processes]
+    log = "\n".join(path.read_text() for path in logs)
+    assert codes == [5, 5], (codes, log[-3000:])
+    assert "ending this rank" not in log
+    assert f"rank{1 - first}] stuck: no step finished for" in log
+    assert f"(rank {first}'s deadline fired first)" in log
+    for rank in (0, 1):
+        assert f"rank{rank}] stuck: no rank is behind another" in log, log[-3000:]

@@ -6,10 +6,14 @@ name, the group) in a ring of the last 64. `StepDeadline` runs a daemon thread: 
 `training.step_timeout_s` (default: max(600 s, 20 x the median step after the first 3), 0: off), the rank
 - writes its Python stacks (faulthandler, every thread) and its collective log to <output_dir>/stuck/rank{R}.txt and
   stderr,
-- posts its last finished step and its last collective to the job's store,
+- posts that the verdict has started, and its last finished step and its last collective, to the job's store,
+- every other rank joins the verdict at once (its fast-failure watchdog sees the start and hands over: it will not end
+  the rank as "another rank failed first" when the first rank exits and takes the store with it), dumps and posts too,
 - rank 0 waits up to `verdict_wait_s` for every rank's post and names the ranks that are behind (the fewest steps,
-  then the fewest collectives) and the collective where the ranks differ, in its log and on the store,
+  then the fewest collectives) and the collective where the ranks differ, in its log and on the store, then waits up
+  to `verdict_wait_s` for every rank that posted to have read it,
 - and every rank exits EXIT_STUCK, so every launcher ends the job within the timeout + about `verdict_wait_s`.
+Which rank's timer fires first changes nothing: one outcome, every rank logs the verdict and exits 5.
 `training.resume=auto` then continues from the last checkpoint.
 """
 
@@ -31,11 +35,13 @@ from typing import Any
 import torch.distributed as dist
 
 from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.runtime.watchdog import Watchdog
 
 EXIT_STUCK = 5
 DEFAULT_FLOOR_S = 600.0
 DEFAULT_FACTOR = 20.0
 WARMUP_STEPS = 3
+STARTED_KEY = "stuck/started"  # the first rank whose deadline fired; every rank's watchdog watches for it
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "reduce_scatter",
     "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
@@ -94,19 +100,21 @@ class StepDeadline:
         timeout_s: float | None,
         rank: int,
         world: int,
-        store: Any | None,
+        watchdog: Watchdog | None,
         dump_dir: Path,
         collectives: CollectiveLog,
         poll_s: float = 1.0,
         verdict_wait_s: float = 10.0,
     ) -> None:
         self.fixed = timeout_s  # None: derived from the step times
-        self.rank, self.world, self.store, self.dump_dir = rank, world, store, dump_dir
+        self.rank, self.world, self.watchdog, self.dump_dir = rank, world, watchdog, dump_dir
+        self.store = watchdog.store if watchdog is not None else None
         self.collectives, self.poll_s, self.verdict_wait_s = collectives, poll_s, verdict_wait_s
         self.step = 0
         self.step_seconds: list[float] = []
         self._progress = time.monotonic()
         self._stop = threading.Event()
+        self._joined = threading.Event()  # another rank started the verdict
         self._thread = threading.Thread(target=self._run, name="glm45v-step-deadline", daemon=True)
 
     @property
@@ -118,6 +126,8 @@ class StepDeadline:
 
     def start(self) -> StepDeadline:
         self._progress = time.monotonic()
+        if self.watchdog is not None:
+            self.watchdog.defer_to(STARTED_KEY, self._joined.set)
         self._thread.start()
         return self
 
@@ -132,21 +142,25 @@ class StepDeadline:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             waited = time.monotonic() - self._progress
-            if waited > self.timeout_s:
+            if self._joined.is_set() or waited > self.timeout_s:
                 self._fire(waited)
                 return
 
     def _fire(self, waited: float) -> None:
+        if self.watchdog is not None:
+            self.watchdog.disarm()  # this rank ends here, with EXIT_STUCK, whatever its peers do meanwhile
         log = get_logger()
+        first = self._post_start()
         last = self.collectives.last()
         mine = {"step": self.step, "collectives": self.collectives.count, "last": last}
         path = self._dump(waited, mine)
         log.error(
-            "stuck: no step finished for %.0f s (training.step_timeout_s %.0f s) after step %d; this rank's last "
+            "stuck: no step finished for %.0f s (training.step_timeout_s %.0f s) after step %d%s; this rank's last "
             "collective: %s; stacks and collective log in %s",
             waited,
             self.timeout_s,
             self.step,
+            "" if first is None or first == self.rank else f" (rank {first}'s deadline fired first)",
             _describe(last),
             path,
         )
@@ -158,11 +172,33 @@ class StepDeadline:
                 else:
                     self.store.wait(["stuck/verdict"], timedelta(seconds=2 * self.verdict_wait_s))
                 log.error("stuck: %s", self.store.get("stuck/verdict").decode())
+                if self.rank == 0:
+                    self._wait_until_read()
+                else:
+                    self.store.set(f"stuck/read/{self.rank}", "1")
             except Exception as error:  # the store is gone: this rank's own dump is what remains
                 log.error("stuck: no verdict from rank 0 (%s)", type(error).__name__)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_STUCK)
+
+    def _post_start(self) -> int | None:
+        """Post this rank as the verdict's first unless another rank was (the first post wins); the first rank."""
+        if self.store is None:
+            return None
+        try:
+            return int(self.store.compare_set(STARTED_KEY, "", str(self.rank)).decode())
+        except Exception:  # the store is gone: the rank still dumps and exits EXIT_STUCK
+            return None
+
+    def _wait_until_read(self) -> None:
+        """Rank 0 hosts the store when there is no launcher: it stays until every rank that posted has read the
+        verdict (up to verdict_wait_s), so none of them finds the store gone."""
+        deadline = time.monotonic() + self.verdict_wait_s
+        posted = [rank for rank in range(1, self.world) if self.store.check([f"stuck/{rank}"])]
+        keys = [f"stuck/read/{rank}" for rank in posted]
+        while keys and time.monotonic() < deadline and not self.store.check(keys):
+            time.sleep(0.1)
 
     def _verdict(self) -> str:
         """Rank 0: every rank's post (waited for up to verdict_wait_s), the ranks behind and where they differ."""

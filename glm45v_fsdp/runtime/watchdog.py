@@ -12,7 +12,10 @@ Each rank runs a daemon thread on the job's rendezvous store (a client connectio
   EXIT_PEER_FAILED at once. A store that stops answering (its host, rank 0 or the launcher's agent, is gone) is a
   failure too: a store call that fails, or one that has not come back for `peer_timeout_s` (this rank's node is
   cut off: a call into a dead link blocks rather than fails), which a second thread watches.
-A rank that finished (`finish`) or is stopping on its own error (`disarm`) is never ended by its thread.
+A rank that finished (`finish`) or is stopping on its own error (`disarm`) is never ended by its thread, and neither is
+a rank whose end another mechanism has taken over (`defer_to`: once any rank has started the stuck-job verdict, every
+rank joins it and exits with its code, rather than with this one's when the verdict's first rank exits and takes the
+store with it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -53,6 +57,7 @@ class Watchdog:
         self._guard = threading.Thread(target=self._guard_store, name="glm45v-watchdog-guard", daemon=True)
         self._last_answer = time.monotonic()
         self._previous_hook = sys.excepthook
+        self._deferrals: list[tuple[str, Callable[[], None]]] = []
 
     def start(self) -> Watchdog:
         self.store.set(self.host_keys[self.rank], socket.gethostname())
@@ -71,6 +76,11 @@ class Watchdog:
             self.store.compare_set(self.failed_key, "", f"rank {self.rank} on {socket.gethostname()}: {reason}")
         except Exception:  # the store is gone as well: the others find out through it
             pass
+
+    def defer_to(self, key: str, callback: Callable[[], None]) -> None:
+        """When `key` appears on the store, this rank's end belongs to someone else: the thread disarms (checked
+        before the failure key, in the same poll) and calls `callback` once."""
+        self._deferrals.append((key, callback))
 
     def disarm(self) -> None:
         """This rank is ending on its own terms (an error it reports itself): never end it from the thread."""
@@ -111,6 +121,7 @@ class Watchdog:
                     beats += 1
                     self.store.set(self.heartbeat_keys[self.rank], str(beats))
                     next_beat = now + self.heartbeat_s
+                self._check_deferrals()
                 if self.store.check([self.failed_key]):
                     self._end(f"another rank failed first: {self.store.get(self.failed_key).decode()}")
                 if self.rank == 0:
@@ -120,6 +131,14 @@ class Watchdog:
                 if self._stop.is_set():
                     return
                 self._end(f"the rendezvous store stopped answering ({type(error).__name__}): its host is gone")
+
+    def _check_deferrals(self) -> None:
+        for index, (key, callback) in enumerate(self._deferrals):
+            if self.store.check([key]):
+                self.disarm()
+                del self._deferrals[index]
+                callback()
+                return
 
     def _guard_store(self) -> None:
         while not self._stop.wait(self.poll_s):
