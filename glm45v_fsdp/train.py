@@ -14,10 +14,19 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from glm45v_fsdp.errors import EXIT_USER_ERROR, Preempted, TrainingStopped, UserError, report_user_error
+from glm45v_fsdp.errors import (
+    EXIT_USER_ERROR,
+    ConfigError,
+    Preempted,
+    TrainingStopped,
+    UserError,
+    launcher_rank,
+    report_user_error,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -26,6 +35,7 @@ if TYPE_CHECKING:
     from glm45v_fsdp.config import Config
 
 EXIT_STOPPED = 3
+CONFIG_ERROR_GRACE_S = 2.0  # a rank other than 0 waits this long after a config error, which rank 0 alone prints
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -153,6 +163,9 @@ def run(argv: list[str]) -> dict:
             export_final_weights(config, model, hf_config, data)
         finished = True
         return summary
+    except (UserError, TrainingStopped):
+        stand_down()
+        raise
     finally:
         shutdown(finished)
 
@@ -189,6 +202,17 @@ def end_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def stand_down() -> None:
+    """This rank ends on an error it raised itself (every rank raises a user error or a stop alike, from the same
+    gathered figures): its watchdog must not end it with EXIT_PEER_FAILED while it tears down, when a peer that got
+    there first has reported or, as rank 0, exited with the store."""
+    from glm45v_fsdp.runtime.watchdog import current_watchdog
+
+    watchdog = current_watchdog()
+    if watchdog is not None:
+        watchdog.disarm()
+
+
 def report_failure(error: BaseException) -> None:
     """Tell the other ranks (runtime/watchdog.py) that this one is ending on an error, so none waits for it."""
     from glm45v_fsdp.runtime.watchdog import current_watchdog
@@ -202,11 +226,19 @@ def main(argv: list[str] | None = None) -> NoReturn:
     """Run, then end the process through `end_process` (no interpreter teardown, see runtime.dist.shutdown): 0 when
     finished, 2 on a user error, 3 on a stop, 143 on a preemption (after its checkpoint). A crash keeps its
     traceback and the interpreter's exit."""
+    from glm45v_fsdp.runtime.stuck import hold_for_stuck_exit
+
     try:
-        run(sys.argv[1:] if argv is None else argv)
+        try:
+            run(sys.argv[1:] if argv is None else argv)
+        except BaseException:
+            hold_for_stuck_exit()  # a stuck verdict under way ends this rank with its own code
+            raise
     except UserError as error:
         report_failure(error)
         report_user_error("glm45v-train", error)
+        if isinstance(error, ConfigError) and launcher_rank() != 0:
+            time.sleep(CONFIG_ERROR_GRACE_S)  # only rank 0 prints it: a launcher ends rank 0 once this rank exits
         end_process(EXIT_USER_ERROR)
     except TrainingStopped as error:
         report_failure(error)

@@ -258,6 +258,11 @@ def end_worker() -> None:
     same way, see runtime/dist.py shutdown)."""
     import torch.distributed as dist
 
+    from glm45v_fsdp.runtime.watchdog import current_watchdog
+
+    watchdog = current_watchdog()
+    if watchdog is not None:  # before the barrier: rank 0, the store's host, may exit first (runtime.dist.shutdown)
+        watchdog.finish()
     if dist.is_initialized():
         dist.barrier()
     sys.stdout.flush()

@@ -30,6 +30,8 @@ else:
 from ds_api_script import TinyLM, Tokens  # noqa: E402
 from ds_api_script import ds_config as api_config  # noqa: E402
 
+from glm45v_fsdp.runtime.watchdog import current_watchdog  # noqa: E402
+
 CLIENT_STATE = {"note": "from the client", "values": [1, 2, 3]}
 
 
@@ -107,6 +109,9 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as handle:
             json.dump(results, handle, indent=1)
+    watchdog = current_watchdog()  # ds_compat's fast-failure watchdog (none under DeepSpeed)
+    if watchdog is not None:  # before the barrier: rank 0, the store's host, may exit first
+        watchdog.finish()
     deepspeed.comm.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -401,9 +401,11 @@ def launch(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 def test_failing_rank_fails_the_job(tmp_path):
     script = tmp_path / "fail_on_rank1.py"
     script.write_text(
-        "import json, os, sys\n"
+        "import json, os, pathlib, sys, time\n"
         f"json.dump(sys.argv[1:], open({str(tmp_path)!r} + f'/argv{{os.environ[\"LOCAL_RANK\"]}}.json', 'w'))\n"
-        "sys.exit(7 if os.environ['LOCAL_RANK'] == '1' else 0)\n"
+        "if os.environ['LOCAL_RANK'] == '1':\n"  # fail once rank 0 has written: torchrun then ends it at once
+        f"    while not pathlib.Path({str(tmp_path)!r}, 'argv0.json').exists(): time.sleep(0.05)\n"
+        "    sys.exit(7)\n"
     )
     result = launch("--num_gpus", "2", str(script), "--lr", "0.1")
     assert result.returncode == 1 and "exitcode  : 7" in result.stderr  # torchrun's code; the rank's is in its report

@@ -46,6 +46,7 @@ def test_a_failing_rank_ends_its_job_as_torchrun_does(tmp_path):
         import os, sys, time
         print(os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"], flush=True)
         if os.environ["RANK"] == "1":
+            time.sleep(2)  # rank 0 has printed its line: the launcher ends it at once after this exit
             sys.exit(5)
         time.sleep(120)  # ended by the SIGTERM the failing rank's exit brings
     """

@@ -13,7 +13,9 @@ name, the group) in a ring of the last 64. `StepDeadline` runs a daemon thread: 
   then the fewest collectives) and the collective where the ranks differ, in its log and on the store, then waits up
   to `verdict_wait_s` for every rank that posted to have read it,
 - and every rank exits EXIT_STUCK, so every launcher ends the job within the timeout + about `verdict_wait_s`.
-Which rank's timer fires first changes nothing: one outcome, every rank logs the verdict and exits 5.
+Which rank's timer fires first changes nothing: one outcome, every rank logs the verdict and exits 5. Once a rank's
+verdict has started, an error its main thread meets meanwhile (a collective whose peer has already exited) waits for
+the verdict's exit instead of ending the process with its own code (`hold_for_stuck_exit`).
 `training.resume=auto` then continues from the last checkpoint.
 """
 
@@ -42,6 +44,17 @@ DEFAULT_FLOOR_S = 600.0
 DEFAULT_FACTOR = 20.0
 WARMUP_STEPS = 3
 STARTED_KEY = "stuck/started"  # the first rank whose deadline fired; every rank's watchdog watches for it
+_ending = threading.Event()  # this process's verdict has started: it ends with EXIT_STUCK
+
+
+def hold_for_stuck_exit(limit_s: float = 120.0) -> None:
+    """Called where the main thread is about to end the process on an error: when this rank's stuck verdict has
+    started, wait for it to end the process with EXIT_STUCK (a collective whose peer already exited fails here first).
+    Returns at once otherwise, or after `limit_s` if the verdict never ends."""
+    if _ending.is_set():
+        time.sleep(limit_s)
+
+
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "reduce_scatter",
     "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
@@ -147,6 +160,7 @@ class StepDeadline:
                 return
 
     def _fire(self, waited: float) -> None:
+        _ending.set()
         if self.watchdog is not None:
             self.watchdog.disarm()  # this rank ends here, with EXIT_STUCK, whatever its peers do meanwhile
         log = get_logger()
