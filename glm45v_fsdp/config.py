@@ -23,6 +23,31 @@ from glm45v_fsdp.errors import ConfigError, UserError
 DTypeName = Literal["bf16", "fp16", "fp32"]
 
 
+TEXT_ATTENTION = [
+    f"model.language_model.layers.{{*}}.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+]
+
+
+@dataclass
+class LoraConfig:
+    # The adapters' rank r; 0: no LoRA (full fine-tuning). Each adapted weight W [out, in] computes
+    # x W^T + (alpha / r) * (dropout(x) A^T) B^T with A [r, in], B [out, r] (PEFT's LoRA); the base is frozen.
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Module patterns (as every plan's) of the nn.Linear layers that get adapters: attention, dense and shared-expert
+    # MLP linears (...mlp.gate_proj, ...mlp.shared_experts.down_proj), the vision tower's (model.visual.blocks.{*}...).
+    target_modules: list[str] = field(default_factory=lambda: list(TEXT_ATTENTION))
+    # The routed experts' stacks gate_up_proj and down_proj get adapters too (per expert, a grouped GEMM; under
+    # expert parallelism each rank holds its own experts' adapters); no dropout then.
+    experts: bool = False
+    # Module patterns trained in full beside the adapters (e.g. lm_head).
+    modules_to_save: list[str] = field(default_factory=list)
+    # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) whose values the adapters start
+    # from; it must hold exactly the adapters the keys above describe. null: A kaiming-uniform, B zeros (PEFT's).
+    init_from: str | None = None
+
+
 @dataclass
 class ModelConfig:
     # Built-in architecture when name_or_path is null: the embedded tiny model or the published GLM-4.5V dims.
@@ -42,6 +67,8 @@ class ModelConfig:
     # score, so the low-numbered experts (and the EP ranks that own them) get most tokens. Routing weights are
     # unchanged; only which experts are chosen.
     router_skew: float = 0.0
+    # LoRA fine-tuning (docs/lora.md): rank 0 is off.
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -615,6 +642,33 @@ def _require(condition: bool, key: str, value: Any, need: str) -> None:
         raise ConfigError(f"Config key '{key}' = {value!r} is invalid: it must be {need}.")
 
 
+def _validate_lora(config: Config) -> None:
+    lora = config.model.lora
+    _require(lora.rank >= 0, "model.lora.rank", lora.rank, "an integer >= 0 (0: no LoRA)")
+    if lora.rank == 0:
+        return
+    _require(lora.alpha > 0, "model.lora.alpha", lora.alpha, "> 0")
+    _require(0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout, "in [0, 1)")
+    _require(
+        bool(lora.target_modules) or lora.experts,
+        "model.lora.target_modules",
+        lora.target_modules,
+        "a non-empty list of patterns, unless model.lora.experts=true",
+    )
+    if lora.experts and config.features.ep_balance.enabled:
+        raise ConfigError(
+            "Config key 'features.ep_balance.enabled' = true with model.lora.experts=true: EP balance's expert "
+            "replicas do not carry the experts' adapters yet. Set features.ep_balance.enabled=false, or "
+            "model.lora.experts=false."
+        )
+    if config.model.freeze:
+        raise ConfigError(
+            f"Config key 'model.freeze' = {config.model.freeze!r} with model.lora.rank={lora.rank}: LoRA freezes "
+            f"every base parameter already (only the adapters and model.lora.modules_to_save train). Remove "
+            f"model.freeze."
+        )
+
+
 def validate(config: Config) -> None:
     """Checks that need nothing but the config itself."""
     t, d, p = config.training, config.data, config.parallel
@@ -730,6 +784,7 @@ def validate(config: Config) -> None:
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "an integer >= 1")
     _require(bool(p.ep_plan.apply_modules), "parallel.ep_plan.apply_modules", [], "a non-empty list of patterns")
     _require(config.model.router_skew >= 0, "model.router_skew", config.model.router_skew, ">= 0")
+    _validate_lora(config)
     balance = config.features.ep_balance
     if balance.enabled:
         _require(

@@ -1,7 +1,7 @@
 """The plan registry: every feature applied to the meta-device model, in one fixed order, from one list.
 
-    moe -> ops -> freeze -> recompute -> activation_offload -> chunk_loss -> expert_parallel -> context_parallel -> fsdp
-        -> weights
+    moe -> ops -> freeze -> lora -> recompute -> activation_offload -> chunk_loss -> expert_parallel
+        -> context_parallel -> fsdp -> weights
 
 `builders.build_model` applies them for real; `tools.preflight` applies them as a dry run (no process group: the
 patterns are matched and checked, nothing distributed is set up) and the memory estimate reads the same list. A new
@@ -27,10 +27,12 @@ from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMoE
 
 from glm45v_fsdp.checkpoint.dcp import load_checkpoint, resolve_load
 from glm45v_fsdp.checkpoint.hf import load_hf_weights
-from glm45v_fsdp.checkpoint.in_memory import FullTensors, load_full_tensors
+from glm45v_fsdp.checkpoint.in_memory import FullTensors, load_full_tensors, load_some_tensors
 from glm45v_fsdp.checkpoint.layout import KeyDiff, describe_diff, summarize_keys
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.lora.apply import AdapterSpec, adapter_matches, apply_adapters, spec_from_config
+from glm45v_fsdp.lora.peft_format import read_adapter
 from glm45v_fsdp.memory.chunk_loss import apply_chunk_loss, choose_chunk
 from glm45v_fsdp.memory.estimate import ActivationEstimate, loss_peak_bytes
 from glm45v_fsdp.memory.offload import apply_activation_offload, describe_offload
@@ -72,6 +74,7 @@ class PlanContext:
     meshes: ParallelMeshes | None = None
     torch_device: torch.device = torch.device("cpu")
     weights: GivenWeights | None = None
+    adapters: AdapterSpec | None = None  # a PEFT model's adapters (the DeepSpeed door); None: from model.lora
 
     @property
     def dry(self) -> bool:
@@ -189,6 +192,32 @@ class FreezePlan(Plan):
 
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
         return "requires_grad=False on every parameter of the matched modules"
+
+
+class LoraPlan(Plan):
+    """LoRA (glm45v_fsdp/lora): adapters on the matched linear layers and, with model.lora.experts, on the routed
+    experts' stacks; the base frozen. From `model.lora`, or from the PEFT model a script passed (ctx.adapters)."""
+
+    name, key = "lora", "model.lora"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return config.model.lora.rank > 0
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        if ctx.adapters is not None:
+            spec, matches = ctx.adapters, adapter_matches(ctx.adapters)
+        else:
+            spec, matches = spec_from_config(model, ctx.config.model.lora)
+        apply_adapters(model, spec)
+        model.adapter_spec = spec  # for the weights plan (model.lora.init_from) and the adapter export
+        if not ctx.dry:
+            get_logger().info("lora: adapters on %s", spec.counts())
+        return matches
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        lora = config.model.lora
+        experts = ", and on the routed experts' stacks (grouped GEMM per expert)" if lora.experts else ""
+        return f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on the matched linear layers{experts}; the base frozen"
 
 
 class RecomputePlan(Plan):
@@ -456,6 +485,8 @@ class WeightsPlan(Plan):
             _move_buffers(model, ctx.torch_device)
         if ctx.weights is None:
             _load_configured(model, config)
+        if config.model.lora.init_from and ctx.adapters is None:
+            _load_adapter(model, Path(config.model.lora.init_from), ctx.hf_config)
         return []
 
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
@@ -479,6 +510,15 @@ def _load_configured(model: nn.Module, config: Config) -> None:
     else:
         kind = "DeepSpeed" if source.format == "deepspeed" else "DCP"
         log.info("weights: restored from %s checkpoint %s once the optimizer is built (resume)", kind, source.path)
+
+
+def _load_adapter(model: nn.Module, directory: Path, hf_config: object) -> None:
+    """model.lora.init_from: a PEFT adapter's values into the adapters (this rank's slices)."""
+    tensors = read_adapter(directory, model.adapter_spec, hf_config.text_config.n_routed_experts)
+    copied = load_some_tensors(model, tensors, "model.lora.init_from")
+    get_logger().info(
+        "weights: LoRA adapters from PEFT adapter %s: %d tensor(s), %.2f MiB", directory, len(tensors), copied / 2**20
+    )
 
 
 def _load_hf(model: nn.Module, directory: Path, strict: bool) -> None:
@@ -519,6 +559,7 @@ PLANS: tuple[Plan, ...] = (
     MoEPlan(),
     OpsPlan(),
     FreezePlan(),
+    LoraPlan(),
     RecomputePlan(),
     ActivationOffloadPlan(),
     ChunkLossPlan(),

@@ -159,6 +159,8 @@ def run(argv: list[str]) -> dict:
         elif deepspeed_state is not None:
             trainer.resume_deepspeed(deepspeed_state)
         summary = trainer.run()
+        if config.model.lora.rank:
+            export_adapter(config, model)
         if training.save_hf:
             export_final_weights(config, model, hf_config, data)
         finished = True
@@ -191,6 +193,17 @@ def export_final_weights(config: Config, model: nn.Module, hf_config: object, da
 
     export_hf(model, config.training.save_hf, hf_config, tokenizer=data.tokenizer, image_processor=data.image_processor)
     get_logger().info("exported the final weights as HF safetensors to %s", config.training.save_hf)
+
+
+def export_adapter(config: Config, model: nn.Module) -> None:
+    """LoRA: the trained adapters in PEFT's format in <output_dir>/adapter (collective: every rank calls it), which
+    PeftModel.from_pretrained(<the base in transformers>, dir) loads."""
+    from glm45v_fsdp.log import get_logger
+    from glm45v_fsdp.lora.peft_format import save_adapter
+
+    directory = Path(config.training.output_dir) / "adapter"
+    save_adapter(model, directory, config.model.name_or_path)
+    get_logger().info("lora: adapters saved in PEFT's format to %s", directory)
 
 
 def end_process(code: int) -> NoReturn:

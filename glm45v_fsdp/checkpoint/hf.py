@@ -32,6 +32,7 @@ from glm45v_fsdp.checkpoint.layout import (
     model_tensors,
 )
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.lora.layers import is_adapter
 
 INDEX_FILE = "model.safetensors.index.json"
 DCP_METADATA = ".metadata"
@@ -232,6 +233,7 @@ def load_hf_weights(model: nn.Module, directory: str | Path, strict: bool = True
             f"keys (the rest keep their initial values)."
         )
     targets, _ = model_tensors(model)
+    targets = {name: tensor for name, tensor in targets.items() if not is_adapter(name)}  # LoRA's: not the base's
     assert not any(t.is_meta for t in targets.values()), "load_hf_weights needs a materialised model"
     reads: list[_Read] = []
     fallback = []

@@ -41,6 +41,24 @@ def load_full_tensors(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], t
     return copied
 
 
+@torch.no_grad()
+def load_some_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], key: str) -> int:
+    """Copy these full tensors (a subset of the model's: LoRA adapters) into this rank's shards; `key` names the
+    config key they came from in the error. Shapes are checked before anything is copied."""
+    targets, _ = model_tensors(model)
+    wrong = [
+        f"{name} {tuple(tensor.shape)} (the model's: {tuple(targets[name].shape) if name in targets else 'none'})"
+        for name, tensor in tensors.items()
+        if name not in targets or tuple(targets[name].shape) != tuple(tensor.shape)
+    ]
+    if wrong:
+        raise UserError(
+            f"Config key '{key}': {len(wrong)} tensor(s) do not fit the model: {'; '.join(wrong[:3])}. Nothing was "
+            f"copied. Give tensors of the model's shapes (the adapter's rank must be model.lora.rank)."
+        )
+    return sum(_copy_slice(targets[name], tensor) for name, tensor in tensors.items())
+
+
 def _copy_slice(target: torch.Tensor, full: torch.Tensor) -> int:
     box = local_box(target)
     if box is None:  # e.g. strided shards: let DTensor take this rank's part of the full tensor (no communication)

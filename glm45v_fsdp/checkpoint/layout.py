@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.lora.layers import is_adapter
 
 EXPERT_LAYOUTS = ("per-expert", "stacked")
 Shape = tuple[int, ...]
@@ -195,6 +196,7 @@ def check_keys(model: nn.Module, found: Mapping[str, Shape], layout: str | None)
     layers past the last stay unexpected, and `diff.extra_layers` names them for the error's hint.
     """
     tensors, aliases = model_tensors(model)
+    tensors = {name: tensor for name, tensor in tensors.items() if not is_adapter(name)}  # LoRA's: not the base's
     diff = compare_keys(expected_keys({name: tuple(t.shape) for name, t in tensors.items()}, layout), found)
     patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     ignored = [key for key in diff.unexpected if key in aliases or any(p.search(key) for p in patterns)]

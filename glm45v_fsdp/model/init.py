@@ -20,6 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextExperts, Glm4vMoeTextTopkRouter
 
+from glm45v_fsdp.lora.layers import is_adapter
 from glm45v_fsdp.model.moe import GroupedExperts, MoERouter
 
 _LINEAR_LIKE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -50,16 +51,25 @@ def _init_rule(module: nn.Module, name: str, fqn: str) -> str:
         return {"weight": "normal", "e_score_correction_bias": "zeros"}[name]
     if isinstance(module, (Glm4vMoeTextExperts, GroupedExperts)) and name in ("gate_up_proj", "down_proj"):
         return "normal"
+    if is_adapter(name):  # PEFT's default: A kaiming-uniform (a = sqrt(5): bound 1/sqrt(fan_in)), B zeros
+        return "lora_uniform" if name.endswith("lora_A") else "zeros"
     raise RuntimeError(f"materialize: no init rule for '{fqn}' ({type(module).__name__}.{name}); add one.")
 
 
-def _normal_rows(shape: torch.Size, std: float, seed: int, fqn: str, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) (dim 0) of the block-wise N(0, std) tensor of this shape and FQN."""
+def _normal_rows(
+    shape: torch.Size, std: float, seed: int, fqn: str, start: int, stop: int, uniform: bool = False
+) -> torch.Tensor:
+    """Rows [start, stop) (dim 0) of the block-wise N(0, std) tensor of this shape and FQN (`uniform`: U(-std, std))."""
     rows_per_block = max(1, _BLOCK_NUMEL // max(1, math.prod(shape[1:])))
     pieces = []
     for block in range(start // rows_per_block, -(-stop // rows_per_block)):
         low, high = block * rows_per_block, min((block + 1) * rows_per_block, shape[0])
-        values = torch.empty((high - low, *shape[1:])).normal_(0.0, std, generator=_generator(seed, f"{fqn}/{block}"))
+        values, generator = torch.empty((high - low, *shape[1:])), _generator(seed, f"{fqn}/{block}")
+        values = (
+            values.uniform_(-std, std, generator=generator)
+            if uniform
+            else values.normal_(0.0, std, generator=generator)
+        )
         pieces.append(values[max(start, low) - low : min(stop, high) - low])
     return torch.cat(pieces) if pieces else torch.empty((0, *shape[1:]))
 
@@ -70,9 +80,11 @@ def _value(
     """The slice `box` = (local shape, global offset) of the parameter's full initial value."""
     local_shape, offset = box
     rule = _init_rule(module, name, fqn)
-    if rule != "normal":
+    if rule not in ("normal", "lora_uniform"):
         return (torch.ones if rule == "ones" else torch.zeros)(local_shape)
-    value = _normal_rows(shape, std, seed, fqn, offset[0], offset[0] + local_shape[0])
+    if rule == "lora_uniform":
+        std = 1.0 / math.sqrt(shape[-1])  # the bound
+    value = _normal_rows(shape, std, seed, fqn, offset[0], offset[0] + local_shape[0], uniform=rule == "lora_uniform")
     for dim in range(1, len(shape)):
         value = value.narrow(dim, offset[dim], local_shape[dim])
     if isinstance(module, nn.Embedding) and module.padding_idx is not None:

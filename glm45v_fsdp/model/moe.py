@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor
 from transformers.activations import ACT2FN
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMLP
 
+from glm45v_fsdp.lora.layers import grouped_update
+
 
 class MoERouter(nn.Module):
     """Top-k routing in fp32; returns (router logits [T, E], top-k weights [T, k] fp32, top-k expert ids [T, k])."""
@@ -120,6 +122,11 @@ class GroupedExperts(nn.Module):
         self.kernel = "loop"
         self.gemm = None
         self.swiglu = None
+        self.adapter_scaling: dict[str, float] = {}  # the lora plan: stack name -> alpha / r of its adapter
+
+    def stacks(self) -> list[str]:
+        """The [E, ...] parameters: the base stacks and their adapters (expert parallelism shards them alike)."""
+        return [name for name, _ in self.named_parameters(recurse=False)]
 
     def use_kernels(self, name: str, gemm, swiglu=None) -> None:
         """Run the experts with a grouped GEMM `gemm(rows, weight, counts)` (logged as `name`) and, if given, a
@@ -138,13 +145,15 @@ class GroupedExperts(nn.Module):
         """Expert e of the stacks (gate_up [n, 2I, H], down [n, H, I]) on its counts[e] contiguous rows."""
         assert counts.numel() == gate_up.shape[0], f"{counts.numel()} row counts for {gate_up.shape[0]} experts"
         if self.gemm is not None:
-            projected = self.gemm(rows, gate_up, counts)
+            projected = self._adapted(self.gemm(rows, gate_up, counts), "gate_up_proj", rows, counts)
             if self.swiglu is not None:
                 hidden = self.swiglu(projected)
             else:
                 gate, up = projected.chunk(2, dim=-1)
                 hidden = self.act_fn(gate) * up
-            return self.gemm(hidden, down, counts)
+            return self._adapted(self.gemm(hidden, down, counts), "down_proj", hidden, counts)
+        if self.adapter_scaling:  # the reference loop with adapters: each expert's adapted projections in turn
+            return self._adapted_loop(rows, counts, gate_up, down)
         outputs, start = [], 0
         for expert, count in enumerate(counts.tolist()):
             if count:
@@ -156,6 +165,30 @@ class GroupedExperts(nn.Module):
             gate, up = F.linear(rows, gate_up[0]).chunk(2, dim=-1)
             return F.linear(self.act_fn(gate) * up, down[0])
         return torch.cat(outputs)
+
+    def _adapted(self, projected: torch.Tensor, stack: str, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`projected` (rows x stack^T per expert) plus the stack's LoRA update when it has an adapter."""
+        scaling = self.adapter_scaling.get(stack)
+        if scaling is None:
+            return projected
+        lora_a, lora_b = _local(getattr(self, f"{stack}_lora_A")), _local(getattr(self, f"{stack}_lora_B"))
+        return projected + grouped_update(rows, lora_a, lora_b, counts, self.gemm) * scaling
+
+    def _adapted_loop(
+        self, rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    ) -> torch.Tensor:
+        projected = self._adapted(loop_gemm(rows, gate_up, counts), "gate_up_proj", rows, counts)
+        gate, up = projected.chunk(2, dim=-1)
+        hidden = self.act_fn(gate) * up
+        return self._adapted(loop_gemm(hidden, down, counts), "down_proj", hidden, counts)
+
+
+def loop_gemm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """rows x weight[e]^T for each expert's contiguous rows, one expert at a time (the reference)."""
+    ends = counts.cumsum(0).tolist()
+    return torch.cat(
+        [F.linear(rows[end - count : end], weight[e]) for e, (end, count) in enumerate(zip(ends, counts.tolist()))]
+    )
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,6 @@ from glm45v_fsdp.model.moe import Dispatched, GroupedExperts, MoEBlock, in_backw
 from glm45v_fsdp.module_patterns import PlanMatch, match_modules
 from glm45v_fsdp.parallel.expert_route import Route, plan_route
 
-EXPERT_STACKS = ("gate_up_proj", "down_proj")
 DISPATCHERS = ("alltoall", "allgather")
 
 Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -272,7 +271,7 @@ def apply_expert_parallel(
             )
         if ep_mesh is None:
             continue
-        for stack in EXPERT_STACKS:
+        for stack in experts.stacks():  # the base stacks and their LoRA adapters
             full = getattr(experts, stack)
             sharded = distribute_tensor(full, ep_mesh, [Shard(0)], src_data_rank=None)
             setattr(experts, stack, nn.Parameter(sharded, requires_grad=full.requires_grad))

@@ -1,0 +1,180 @@
+"""LoRA on the whole engine (glm45v_fsdp/lora): the trainer door with model.lora equals PEFT on transformers'
+GLM-4.5V, step by step, on the same batches, from the same adapter (PEFT's, with random A and B so the first step
+already tests the update), alone and under expert parallelism with recompute and the chunked loss; the adapter the run
+saves loads in PEFT and gives the run's loss; the adapter layout conversions are exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import mean_relative_error, read_metrics, train
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import Glm4vMoeForConditionalGeneration
+
+from glm45v_fsdp.config import ModelConfig
+from glm45v_fsdp.lora.peft_format import from_peft, to_peft
+from glm45v_fsdp.model import load_hf_config
+
+STEPS = 4
+RANK, ALPHA = 4, 8.0
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # the text layers' attention (the vision tower has qkv / proj)
+EXPERT_STACKS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+FP32_CONSTANT_LR = [
+    "parallel.fsdp_plan.param_dtype=fp32",
+    "parallel.fsdp_plan.reduce_dtype=fp32",
+    "training.micro_batch_size=2",
+    "training.gradient_accumulation_steps=1",
+    f"training.train_iters={STEPS}",
+    f"training.dump_batches={STEPS}",
+    "training.lr=0.001",
+    "training.lr_scheduler=constant",
+    "training.clip_grad=0",
+    "training.progress_bar=false",
+    "data.synthetic_video_every=0",  # transformers' forward cannot take images and videos in one batch
+]
+
+
+@pytest.fixture(scope="module")
+def base_and_adapter(tmp_path_factory) -> tuple[Path, Path]:
+    """transformers' tiny GLM-4.5V (save_pretrained) and a PEFT LoRA adapter of it on the attention and the routed
+    experts, A and B both random (init_lora_weights=False)."""
+    root = tmp_path_factory.mktemp("lora")
+    torch.manual_seed(5)
+    model = Glm4vMoeForConditionalGeneration(load_hf_config(ModelConfig()))
+    model.save_pretrained(root / "base")
+    config = LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, target_parameters=EXPERT_STACKS, init_lora_weights=False
+    )
+    get_peft_model(model, config).save_pretrained(root / "adapter")
+    return root / "base", root / "adapter"
+
+
+def peft_model(base: Path, adapter: Path) -> torch.nn.Module:
+    model = Glm4vMoeForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
+    return PeftModel.from_pretrained(model, adapter, is_trainable=True)
+
+
+def loss_sum(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
+    """The summed next-token cross-entropy of a batch and its supervised token count."""
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+    labels = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    return total, int((labels != -100).sum())
+
+
+def peft_losses(base: Path, adapter: Path, batches: list[list[Path]]) -> list[float]:
+    """PEFT on transformers in one process: per step, the data-parallel ranks' batches as one global batch (the
+    token-mean loss), AdamW as the run's (constant lr, no clipping)."""
+    model = peft_model(base, adapter)
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    losses = []
+    for step_batches in batches:
+        sums = [loss_sum(model, torch.load(path, weights_only=True)) for path in step_batches]
+        tokens = sum(count for _, count in sums)
+        loss = sum(total for total, _ in sums) / tokens
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+def peft_eval_loss(base: Path, adapter: Path, batch_file: Path) -> float:
+    model = peft_model(base, adapter)
+    with torch.no_grad():
+        total, tokens = loss_sum(model, torch.load(batch_file, weights_only=True))
+    return float(total) / tokens
+
+
+LAYOUTS = {
+    "one rank": (1, []),
+    "EP 2 + recompute + dynamic chunk loss": (
+        2,
+        [
+            "parallel.expert_parallel_size=2",
+            "features.recompute.enabled=true",
+            "features.chunk_loss.mode=dynamic",
+        ],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(base_and_adapter, tmp_path_factory) -> dict[str, Path]:
+    base, adapter = base_and_adapter
+    root = tmp_path_factory.mktemp("lora_runs")
+    outputs = {}
+    for name, (nproc, extra) in LAYOUTS.items():
+        out = root / name.replace(" ", "_").replace("+", "")
+        lora = [
+            f"training.load={base}",
+            f"model.lora.rank={RANK}",
+            f"model.lora.alpha={ALPHA}",
+            "model.lora.experts=true",
+            f"model.lora.init_from={adapter}",
+        ]
+        result = train(out, FP32_CONSTANT_LR + lora + extra, nproc=nproc)
+        assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+        (out / "log.txt").write_text(result.stdout + result.stderr)
+        outputs[name] = out
+    return outputs
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_equals_peft_on_transformers(runs, base_and_adapter, layout):
+    out, (nproc, _) = runs[layout], LAYOUTS[layout]
+    batches = [[out / "batches" / f"rank{rank}_micro{step}.pt" for rank in range(nproc)] for step in range(STEPS)]
+    reference = peft_losses(*base_and_adapter, batches)
+    ours = [record["loss"] for record in read_metrics(out)]
+    assert len(ours) == STEPS
+    assert mean_relative_error(ours, reference, steps=STEPS) <= 1e-5, (ours, reference)
+    assert reference[-1] < reference[0]  # it trains: the comparison is not one of constants
+    log = (out / "log.txt").read_text()
+    assert "lora: adapters on 16 linear module(s), 3 experts module(s) (6 stack(s))" in log
+    assert "weights: LoRA adapters from PEFT adapter" in log
+
+
+def test_the_saved_adapter_loads_in_peft_with_the_runs_loss(runs, base_and_adapter):
+    """<output_dir>/adapter after training: PeftModel.from_pretrained on transformers' model gives the loss our
+    trained model has on a batch (the last step's batch, evaluated after the last update by both)."""
+    base, _ = base_and_adapter
+    out = runs["EP 2 + recompute + dynamic chunk loss"]
+    saved = out / "adapter"
+    assert (saved / "adapter_config.json").is_file() and (saved / "adapter_model.safetensors").is_file()
+    batches = [[out / "batches" / f"rank{rank}_micro{step}.pt" for rank in range(2)] for step in range(STEPS)]
+    trained = peft_model(base, base_and_adapter[1])  # the reference run's end state
+    optimizer = torch.optim.AdamW(
+        [p for p in trained.parameters() if p.requires_grad], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0
+    )
+    for step_batches in batches:
+        sums = [loss_sum(trained, torch.load(path, weights_only=True)) for path in step_batches]
+        loss = sum(total for total, _ in sums) / sum(count for _, count in sums)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        total, tokens = loss_sum(trained, torch.load(batches[0][0], weights_only=True))
+    reference = float(total) / tokens
+    assert abs(peft_eval_loss(base, saved, batches[0][0]) - reference) <= 1e-5 * reference
+
+
+def test_expert_stack_layouts_round_trip():
+    """PEFT's flat experts factors <-> our [E, r, in] / [E, out, r] stacks, checked against PEFT's own delta."""
+    experts, rank, out_features, in_features = 3, 2, 5, 4
+    peft_a = torch.randn(rank * experts, in_features)
+    peft_b = torch.randn(out_features, rank * experts)
+    ours_a, ours_b = (
+        from_peft("x.gate_up_proj_lora_A", peft_a, experts),
+        from_peft("x.gate_up_proj_lora_B", peft_b, experts),
+    )
+    # PEFT's ParamWrapper delta for (experts, out, in) stacks: einsum("o r e, e r i -> e o i")
+    delta = torch.einsum(
+        "ore,eri->eoi", peft_b.reshape(out_features, rank, experts), peft_a.reshape(experts, rank, in_features)
+    )
+    assert torch.allclose(torch.bmm(ours_b, ours_a), delta)
+    assert torch.equal(to_peft("x.gate_up_proj_lora_A", ours_a), peft_a)
+    assert torch.equal(to_peft("x.gate_up_proj_lora_B", ours_b), peft_b)
