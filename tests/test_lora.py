@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import mean_relative_error, read_metrics, train
+from conftest import mean_relative_error, read_metrics, train, train_many
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Glm4vMoeForConditionalGeneration
 
@@ -100,28 +100,35 @@ LAYOUTS = {
             "features.chunk_loss.mode=dynamic",
         ],
     ),
+    # one data-parallel rank: both ranks dump the same (whole) batch, the reference counts it twice (same mean)
+    "Ulysses 2": (2, ["parallel.ulysses_parallel_size=2"]),
+    "Ring 2": (2, ["parallel.ring_attention_size=2"]),
 }
+
+
+def out_dir(root: Path, layout: str) -> Path:
+    return root / layout.replace(" ", "_")
 
 
 @pytest.fixture(scope="module")
 def runs(base_and_adapter, tmp_path_factory) -> dict[str, Path]:
+    """Each layout's run from PEFT's adapter: the one-rank run alone, the two-rank ones in one job (one start-up)."""
     base, adapter = base_and_adapter
     root = tmp_path_factory.mktemp("lora_runs")
-    outputs = {}
-    for name, (nproc, extra) in LAYOUTS.items():
-        out = root / name.replace(" ", "_").replace("+", "")
-        lora = [
-            f"training.load={base}",
-            f"model.lora.rank={RANK}",
-            f"model.lora.alpha={ALPHA}",
-            "model.lora.experts=true",
-            f"model.lora.init_from={adapter}",
-        ]
-        result = train(out, FP32_CONSTANT_LR + lora + extra, nproc=nproc)
-        assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-        (out / "log.txt").write_text(result.stdout + result.stderr)
-        outputs[name] = out
-    return outputs
+    lora = [
+        f"training.load={base}",
+        f"model.lora.rank={RANK}",
+        f"model.lora.alpha={ALPHA}",
+        "model.lora.experts=true",
+        f"model.lora.init_from={adapter}",
+    ]
+    single = out_dir(root, "one rank")
+    result = train(single, FP32_CONSTANT_LR + lora)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (single / "train.log").write_text(result.stdout + result.stderr)
+    two = {name: FP32_CONSTANT_LR + lora + extra for name, (nproc, extra) in LAYOUTS.items() if nproc == 2}
+    train_many(root, two, nproc=2)
+    return {name: out_dir(root, name) for name in LAYOUTS}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -133,7 +140,7 @@ def test_lora_equals_peft_on_transformers(runs, base_and_adapter, layout):
     assert len(ours) == STEPS
     assert mean_relative_error(ours, reference, steps=STEPS) <= 1e-5, (ours, reference)
     assert reference[-1] < reference[0]  # it trains: the comparison is not one of constants
-    log = (out / "log.txt").read_text()
+    log = (out / "train.log").read_text()
     assert "lora: adapters on 16 linear module(s), 3 experts module(s) (6 stack(s))" in log
     assert "weights: LoRA adapters from PEFT adapter" in log
 
@@ -157,6 +164,22 @@ def test_the_saved_adapter_loads_in_peft_with_our_loss(runs, base_and_adapter, t
     ours = read_metrics(out)[0]["loss"]
     assert abs(peft_eval_loss(base, saved, batch) - ours) <= 1e-5 * ours
     assert abs(peft_eval_loss(base, start, batch) - ours) > 1e-4 * ours  # training moved the adapters
+
+
+def test_a_lora_run_resumes_exactly(runs, base_and_adapter, tmp_path):
+    """2 steps with a checkpoint, then training.resume=auto to step 4: steps 3 and 4 equal the straight run's."""
+    base, adapter = base_and_adapter
+    lora = [f"training.load={base}", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", "model.lora.experts=true"]
+    lora += [f"model.lora.init_from={adapter}", f"training.save={tmp_path / 'save'}"]
+    first = train(tmp_path / "first", FP32_CONSTANT_LR + lora + ["training.train_iters=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = train(tmp_path / "resumed", FP32_CONSTANT_LR + lora + ["training.resume=auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "continuing from" in resumed.stdout + resumed.stderr
+    straight = [record["loss"] for record in read_metrics(runs["one rank"])]
+    again = [record["loss"] for record in read_metrics(tmp_path / "resumed")]
+    assert [record["step"] for record in read_metrics(tmp_path / "resumed")] == [3, 4]
+    assert again == straight[2:], (again, straight)
 
 
 def test_expert_stack_layouts_round_trip():
