@@ -35,6 +35,7 @@ from ds_compat.comm import device_layer, get_local_rank
 from ds_compat.config import Translation, translate
 from ds_compat.dataloader import DeepSpeedDataLoader
 from ds_compat.ds_keys import EXTENSION_KEY
+from ds_compat.extension import section_leaves
 from ds_compat.glm_door import (
     check_autoep_section,
     forward_replaced,
@@ -87,6 +88,37 @@ NOT_APPLIED = {
     "training.tensorboard": "the engine writes no tensorboard events (our trainer does)",
 }
 PLAN_KEYS = {"features.recompute.enabled", "features.activation_offload.enabled"}  # applied to GLM-4.5V by plan
+
+
+# The extension section's keys that switch a plan of the registry: the generic path applies none of them.
+PLAN_EXTENSION_PREFIXES = ("features.", "model.")
+
+
+def generic_path_note(model: nn.Module) -> str:
+    """The one line that says a module takes the generic path, and what is therefore off."""
+    peft = " (a PEFT model: its base is not built on the plan registry yet, docs/lora.md)" if _is_peft(model) else ""
+    return (
+        f"{type(model).__name__} is not a model this backend builds on its plan registry (transformers' GLM-4.5V)"
+        f"{peft}: it runs generic FSDP2 (each child of its ModuleLists a unit, then the root); expert parallelism, "
+        f"context parallelism, the chunked loss, recompute, activation offload and the accelerator ops are off"
+    )
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return type(model).__module__.split(".")[0] == "peft"
+
+
+def refuse_plan_extension(ds_config: dict, model: nn.Module) -> None:
+    """An extension key that switches a plan is refused on the generic path, never logged as taken and dropped."""
+    section = ds_config.get(EXTENSION_KEY) or {}
+    leaves = [(path, value) for path, value in section_leaves(section) if path.startswith(PLAN_EXTENSION_PREFIXES)]
+    if leaves:
+        path, value = leaves[0]
+        raise UserError(
+            f"DeepSpeed config key '{EXTENSION_KEY}.{path}' = {value!r} switches a plan of this backend's plan "
+            f"registry, which a {type(model).__name__} does not run on: {generic_path_note(model)}. Remove the key "
+            f"(and the section's other features / model keys), or pass transformers' GLM-4.5V."
+        )
 
 
 def auto_fsdp_units(model: nn.Module) -> list[str]:
@@ -242,6 +274,9 @@ class DeepSpeedEngine(nn.Module):
         self.alst = mpu is not None  # DeepSpeed's ALST: the adapter slices the targets, the loss is the slice's
         self.translation: Translation = translate(with_alst_mpu(config, mpu) if self.alst else config, self.world_size)
         self.glm45v = is_glm45v(model)  # GLM-4.5V runs on the plan registry; any other module on the generic path
+        if not self.glm45v:
+            refuse_plan_extension(self.translation.ds_config, model)
+            self.log.info("ds_compat: %s", generic_path_note(model))
         split = next(((key, size) for key, size in self._context_parallel_keys() if size > 1), None)
         if split is not None and not self.glm45v:
             raise UserError(

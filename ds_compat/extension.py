@@ -41,12 +41,13 @@ OWNED_ELSEWHERE = {
 }
 
 
-def _leaves(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
+def section_leaves(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted path, value) of every leaf of a nested section."""
     items = []
     for key, value in tree.items():
         path = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            items.extend(_leaves(value, path + "."))
+            items.extend(section_leaves(value, path + "."))
         else:
             items.append((path, value))
     return items
@@ -76,7 +77,7 @@ def map_extension(ds: dict, report: Report) -> None:
     if EXTENSION_KEY not in ds:
         return
     section = as_section(EXTENSION_KEY, ds[EXTENSION_KEY])
-    leaves = _leaves(section)
+    leaves = section_leaves(section)
     for path, value in leaves:
         owner = next((key for key in OWNED_ELSEWHERE if path == key or path.startswith(key + ".")), None)
         if owner is not None:

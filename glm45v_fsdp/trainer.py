@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from glm45v_fsdp.config import Config, dump_yaml
 from glm45v_fsdp.data.dump import BatchDumper
 from glm45v_fsdp.errors import Preempted, TrainingStopped, UserError
 from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.lora.peft_format import save_adapter
 from glm45v_fsdp.loss_scale import LossScaler
 from glm45v_fsdp.memory.chunk_loss import ChunkChoice, ChunkedLossHead
 from glm45v_fsdp.memory.offload import find_offload_runtime
@@ -122,7 +123,8 @@ class Trainer:
             (self.output_dir / "config.yaml").write_text(dump_yaml(config))
             self.log.info("outputs: %s (config.yaml, metrics.jsonl, summary.json)", self.output_dir)
         self.fault = Fault.from_env()
-        self.checkpointer = Checkpointer(training, runtime.env.rank, self.fault) if training.save else None
+        adapter = self._adapter_writer()
+        self.checkpointer = Checkpointer(training, runtime.env.rank, self.fault, adapter) if training.save else None
         self.preemption = PreemptionWatch()
         self.profiler = StepProfiler(training.profile_steps, self.output_dir, runtime.env.rank, runtime.device.type)
         self.preempted_ranks: list[int] = []  # ranks that got a preemption signal, known to all after a step
@@ -511,6 +513,13 @@ class Trainer:
                     self.save_checkpoint()
             if self.fault is not None:
                 self.fault.maybe_fire(self.runtime.env.rank, self.step)
+
+    def _adapter_writer(self) -> Callable[[Path], None] | None:
+        """LoRA: every checkpoint carries adapter/ in PEFT's format (collective: each rank gathers, rank 0 writes)."""
+        if not self.config.model.lora.rank:
+            return None
+        base = self.config.model.name_or_path
+        return lambda checkpoint: save_adapter(self.model, checkpoint / "adapter", base)
 
     def _step_deadline(self) -> StepDeadline:
         """The stuck-job deadline of this run (runtime/stuck.py), on the fast-failure watchdog's store when the job

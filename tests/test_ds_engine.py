@@ -425,6 +425,24 @@ def test_no_optimizer_and_refused_configs(group, tmp_path):
         )
 
 
+def test_the_generic_path_says_so_and_refuses_plan_keys(group):
+    """A module the door does not build on the plan registry: one log line naming it and what is off; an extension
+    key that would switch a plan is refused (never logged as taken and dropped)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    get_logger().addHandler(handler)
+    try:
+        ds_compat.initialize(model=Net(), config={"train_batch_size": 1})
+    finally:
+        get_logger().removeHandler(handler)
+    line = next(r.getMessage() for r in records if "is not a model this backend builds" in r.getMessage())
+    assert line.startswith("ds_compat: Net is not a model") and "the chunked loss, recompute" in line
+    extension = {"train_batch_size": 1, "glm45v_fsdp": {"features": {"chunk_loss": {"mode": "dynamic"}}}}
+    with pytest.raises(UserError, match=r"'glm45v_fsdp.features.chunk_loss.mode' = 'dynamic' switches a plan"):
+        ds_compat.initialize(model=Net(), config=extension)
+
+
 def test_comm(group):
     assert comm.is_initialized() and comm.get_rank() == 0 and comm.get_world_size() == 1
     assert comm.get_local_rank() == 0 and comm.get_all_ranks_from_group() == [0]

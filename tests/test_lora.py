@@ -167,7 +167,8 @@ def test_the_saved_adapter_loads_in_peft_with_our_loss(runs, base_and_adapter, t
 
 
 def test_a_lora_run_resumes_exactly(runs, base_and_adapter, tmp_path):
-    """2 steps with a checkpoint, then training.resume=auto to step 4: steps 3 and 4 equal the straight run's."""
+    """2 steps with a checkpoint, then training.resume=auto to step 4: steps 3 and 4 equal the straight run's; the
+    checkpoint's adapter/ loads in PEFT."""
     base, adapter = base_and_adapter
     lora = [f"training.load={base}", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", "model.lora.experts=true"]
     lora += [f"model.lora.init_from={adapter}", f"training.save={tmp_path / 'save'}"]
@@ -180,6 +181,11 @@ def test_a_lora_run_resumes_exactly(runs, base_and_adapter, tmp_path):
     again = [record["loss"] for record in read_metrics(tmp_path / "resumed")]
     assert [record["step"] for record in read_metrics(tmp_path / "resumed")] == [3, 4]
     assert again == straight[2:], (again, straight)
+    # the step-2 checkpoint carries its adapters in PEFT's format, checksummed: PEFT gives the resumed step-3 loss
+    adapter = tmp_path / "save" / "step_00000002" / "adapter"
+    assert "adapter/adapter_model.safetensors" in (adapter.parent / "manifest.json").read_text()
+    step3 = peft_eval_loss(base, adapter, tmp_path / "resumed" / "batches" / "rank0_micro0.pt")
+    assert abs(step3 - again[0]) <= 1e-5 * again[0]
 
 
 def test_expert_stack_layouts_round_trip():

@@ -5,6 +5,7 @@ A save directory (training.save) holds:
         .metadata, __R_0.distcp DCP files of {"model": model state dict, "optim": optimizer state dict}
         trainer_state.pt        rank 0: step, scheduler, consumed samples, config, world size (checkpoint/state.py)
         rng/rank{R}.pt          rank R's RNG states
+        adapter/                LoRA runs: the adapters in PEFT's format (lora/peft_format.py), rank 0
         manifest.json           every file's size and xxh3-64 checksum (checkpoint/integrity.py)
     step_00000018.tmp/          a save in progress or an interrupted one: never resumed from, removed by the next save
     latest                      the name of the newest complete checkpoint
@@ -28,6 +29,7 @@ import shutil
 import socket
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +64,7 @@ from glm45v_fsdp.runtime.faults import Fault
 TMP_SUFFIX = ".tmp"
 SHARED_PROBE_PREFIX = ".shared-storage-probe-"
 LATEST_FILE = "latest"
+EXTRA_DIRS = ("adapter",)  # what a Checkpointer's `extra` writes, on rank 0
 METADATA_FILE = ".metadata"
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
@@ -468,6 +471,7 @@ def _own_files(checkpoint: Path, rank: int) -> list[Path]:
     files = [*checkpoint.glob(f"__{rank}_*.distcp"), rng_file(checkpoint, rank)]
     if rank == 0:
         files += [checkpoint / METADATA_FILE, checkpoint / TRAINER_STATE_FILE]
+        files += sorted(file for name in EXTRA_DIRS for file in (checkpoint / name).glob("*") if file.is_file())
     return files
 
 
@@ -517,8 +521,15 @@ class Checkpointer:
     waited for before the next one starts and at the end (`wait`), and rank 0 publishes it as soon as it is done.
     """
 
-    def __init__(self, training: TrainingConfig, rank: int, fault: Fault | None = None) -> None:
+    def __init__(
+        self,
+        training: TrainingConfig,
+        rank: int,
+        fault: Fault | None = None,
+        extra: Callable[[Path], None] | None = None,
+    ) -> None:
         assert training.save is not None
+        self.extra = extra  # writes more of a checkpoint into its directory (collective; rank 0's files: EXTRA_DIRS)
         self.fault = fault  # GLM45V_FAULT's sigkill_save fires between writing and publishing
         self.save_dir = Path(training.save).expanduser()
         self.interval = training.save_interval
@@ -564,6 +575,8 @@ class Checkpointer:
                 (tmp / RNG_DIR).mkdir(parents=True)
                 save_pt(trainer_state, tmp / TRAINER_STATE_FILE)
             dist.barrier()
+            if self.extra is not None:
+                self.extra(tmp)
             save_pt(rng_state, rng_file(tmp, self.rank))
             state = model_and_optimizer_state(model, optimizer)
             if background:
