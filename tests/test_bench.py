@@ -454,3 +454,35 @@ def test_door_bench_runs_both_doors_per_case_with_the_case_keys(tmp_path, monkey
     verdicts = {r["case"]: (round(r["over_cp1"], 2), r["pass"]) for r in report["context_rows"]}
     assert verdicts == {"cp1": (1.0, True), "ulysses2": (0.52, True), "ring2": (0.61, False)}
     assert bench.main(["door", "--ranks", "3", "--ep", "2", "--out", str(tmp_path)]) == 2
+
+
+def test_lora_bench_runs_both_configurations_alternating_and_counts_the_optimizer(tmp_path, monkeypatch):
+    """Full fine-tuning and LoRA rounds (ABBA), the commands each gets, and the figures: the trainable parameters are
+    counted on the model the plans build (LoRA: the adapters only). The runs are faked (no processes)."""
+    from glm45v_fsdp.bench import runner as bench_runner
+    from glm45v_fsdp.tools import bench
+
+    order, commands = [], {}
+
+    def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench lora", records=True):
+        order.append(name)
+        commands[name] = command
+        ms, peaks = (300.0, [1.0, 0.8]) if name == "full" else (200.0, [0.5, 0.4])
+        record = {"step": 1, "loss": 3.0, "ms_per_iter": ms, "global_batch_size": 2, "tokens": 512,
+                  "mem_peak_per_rank_gib": peaks}  # fmt: skip
+        return [record, {**record, "step": 2}, {**record, "step": 3}], 1.0, 2.0
+
+    monkeypatch.setattr(bench_runner, "execute", fake_execute)
+    out = tmp_path / "lora"
+    argv = ["lora", "--steps", "3", "--warmup", "1", "--repeats", "2", "--hidden", "128", "--out", str(out)]
+    assert bench.main(argv) == 0
+    assert order == ["full", "lora", "lora", "full"]
+    assert "model.lora.rank=8" in commands["lora"] and "model.lora.experts=true" in commands["lora"]
+    assert not any(item.startswith("model.lora") for item in commands["full"])
+    assert all("parallel.expert_parallel_size=2" in commands[name] for name in ("full", "lora"))
+    result = json.loads((out / "lora.json").read_text())
+    full, lora = result["runs"]["full"], result["runs"]["lora"]
+    assert full["trainable_params"] == full["total_params"] and lora["trainable_params"] < full["total_params"] / 5
+    assert lora["total_params"] > full["total_params"]  # the adapters come on top of the frozen base
+    assert result["optimizer_ratio"] == pytest.approx(lora["trainable_params"] / full["trainable_params"])
+    assert result["saving_max_pct"] == pytest.approx(50.0) and result["speedup"] == pytest.approx(1.5)

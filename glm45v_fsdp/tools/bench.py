@@ -1,5 +1,5 @@
 """Benchmarks. `python -m glm45v_fsdp.tools.bench SUBCOMMAND [options] [overrides]`, SUBCOMMAND one of
-overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops|checkpoint; every one but overhead runs through
+overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops|checkpoint|lora; every one but overhead runs through
 bench/runner.py.
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
@@ -34,6 +34,9 @@ model.ops=auto against model.ops=reference (bench/ops.py).
 
 checkpoint: a run that saves at every step: the share of each save its checksums took, and their throughput
 (bench/checkpoint.py).
+
+lora: LoRA (attention + routed experts) against full fine-tuning on the same layout: peak memory per rank, optimizer
+state, ms/step, alternating rounds (bench/lora.py).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.bench import checkpoint, deepspeed_api, door, ep, longest, matrix, memory, parity
+from glm45v_fsdp.bench import checkpoint, deepspeed_api, door, ep, longest, lora, matrix, memory, parity
 from glm45v_fsdp.errors import UserError
 
 
@@ -83,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     matrix.add_parser(sub)
     parity.add_parser(sub)
     checkpoint.add_parser(sub)
+    lora.add_parser(sub)
     add_ops_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -103,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             return deepspeed_api.main_deepspeed(args, argv)
         if args.benchmark == "checkpoint":
             return checkpoint.main_checkpoint(args, argv)
+        if args.benchmark == "lora":
+            return lora.main_lora(args, argv)
         if args.benchmark == "ops":
             from glm45v_fsdp.bench.ops import main_ops
 

@@ -1,0 +1,142 @@
+"""`python -m glm45v_fsdp.tools.bench lora`: LoRA against full fine-tuning on the same layout, side by side.
+
+Two configurations, each a real training run in its own process on the same model, data, layout (default: EP over
+all ranks), and `--repeats` rounds of them, alternating (ABBA) so a drift in machine speed hits both: full
+fine-tuning, and LoRA of rank `--rank` on the text attention and the routed experts (model.lora.experts=true). Per
+configuration: the median ms/iter of the steps after `--warmup`, each rank's peak memory (cpu: live tensor bytes,
+runtime/memory.py), the trainable parameters and the optimizer state they carry (AdamW: two fp32 moments and a step
+per trainable tensor), counted on the meta model the plans build (the same count the memory estimator uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from glm45v_fsdp.bench.ep import model_overrides
+from glm45v_fsdp.bench.memory import common_overrides
+from glm45v_fsdp.bench.options import add_run_options, bench_command, check_counts, settle
+from glm45v_fsdp.bench.runner import Runner, load_range, md_table, memory_pair, run_figures, write_report
+
+MIB = 2**20
+ADAM_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq in fp32 (the step tensors are left out: 4 bytes per tensor)
+
+
+def lora_overrides(args: argparse.Namespace) -> list[str]:
+    return [f"model.lora.rank={args.rank}", f"model.lora.alpha={2 * args.rank}", "model.lora.experts=true"]
+
+
+def trainable_params(overrides: list[str]) -> tuple[int, int]:
+    """(trainable, total) parameters of the model a run with these overrides builds (meta device, every plan but
+    FSDP and the weights as a dry run, as tools.preflight applies them)."""
+    from glm45v_fsdp.config import load_config
+    from glm45v_fsdp.model import build_meta_model, load_hf_config
+    from glm45v_fsdp.preflight import check_plans, minimal_dims
+
+    config = load_config(None, overrides)
+    hf_config = load_hf_config(config.model)
+    model = build_meta_model(hf_config)
+    _, errors = check_plans(model, config, minimal_dims(config), hf_config)
+    assert not errors, errors
+    trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
+    return trainable, sum(param.numel() for param in model.parameters())
+
+
+def report(args: argparse.Namespace, figures: dict[str, dict[str, Any]], params: dict[str, tuple[int, int]]):
+    full, lora = figures["full"], figures["lora"]
+    rows = {}
+    for name, figure in figures.items():
+        trainable, total = params[name]
+        rows[name] = {
+            "ms_per_iter": figure["ms_per_iter"],
+            "mem_peak_max_gib": figure["mem_peak_max_gib"],
+            "mem_peak_avg_gib": figure["mem_peak_avg_gib"],
+            "trainable_params": trainable,
+            "total_params": total,
+            "optimizer_mib": trainable * ADAM_BYTES_PER_PARAM / MIB,
+            "losses": figure["losses"],
+        }
+    return {
+        "benchmark": "lora",
+        "command": bench_command(args.argv),
+        "ranks": args.ranks,
+        "lora_rank": args.rank,
+        "runs": rows,
+        **memory_pair(full, lora),
+        "speedup": full["ms_per_iter"] / lora["ms_per_iter"],
+        "optimizer_ratio": rows["lora"]["optimizer_mib"] / rows["full"]["optimizer_mib"],
+        "load_avg": load_range(args.runs.values()),
+        "notes": [
+            f"{args.repeats} round(s) of both runs, alternating (ABBA); ms/iter: median of the steps after the first "
+            f"{args.warmup} over all rounds; peak: each rank's largest over all steps and rounds.",
+            "optimizer MiB = trainable parameters x 8 bytes (AdamW's two fp32 moments), counted on the meta model the "
+            "plans build; a frozen parameter has no gradient, no reduce-scatter and no optimizer state.",
+            f"OMP_NUM_THREADS per rank: {args.threads}; 1-minute load {load_range(args.runs.values())}.",
+        ],
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    columns = ("run", "trainable params", "optimizer MiB", "peak max GiB", "peak avg GiB", "ms/iter")
+    cells = [
+        [name, f"{row['trainable_params']:,} of {row['total_params']:,}", f"{row['optimizer_mib']:.2f}",
+         f"{row['mem_peak_max_gib']:.3f}", f"{row['mem_peak_avg_gib']:.3f}", f"{row['ms_per_iter']:.1f}"]
+        for name, row in result["runs"].items()
+    ]  # fmt: skip
+    lines = [
+        f"# LoRA (rank {result['lora_rank']}, attention + routed experts) vs full fine-tuning, {result['ranks']} "
+        "rank(s)",
+        "",
+        *md_table(columns, cells),
+        "",
+        f"- peak per rank: {result['saving_max_pct']:.1f}% lower (max rank), {result['saving_avg_pct']:.1f}% (mean); "
+        f"optimizer state x{result['optimizer_ratio']:.4f}; step time: LoRA {result['speedup']:.2f}x as fast",
+        *[f"- {note}" for note in result["notes"]],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "lora",
+        help="LoRA vs full fine-tuning on the same layout: peak memory, optimizer state, ms/step",
+        description="Full fine-tuning and LoRA, each a real training run, alternating rounds.",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    parser.add_argument("--ranks", type=int, default=2, help="processes per run (torchrun when > 1); EP over all")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of ms/iter")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of both runs")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens of each rank's micro batch (one sample)")
+    parser.add_argument("--images", type=int, default=2, help="synthetic 56 px images per sample")
+    parser.add_argument("--hidden", type=int, default=512, help="text hidden size (heads of 32 dims)")
+    parser.add_argument("--text-layers", type=int, default=4, help="text layers (the first is dense)")
+    parser.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer")
+    parser.add_argument("--top-k", type=int, default=4, help="experts per token")
+    parser.add_argument("--moe-intermediate", type=int, default=512, help="each expert's intermediate size")
+    add_run_options(parser, Path("output/bench/lora"), threads_help="OMP_NUM_THREADS per rank (default: 1 on cpu)")
+
+
+def main_lora(args: argparse.Namespace, argv: list[str]) -> int:
+    check_counts("lora", args, ("ranks", "steps", "repeats", "rank", "tokens", "hidden", "experts"))
+    settle(args, argv, args.device)
+    runner = Runner("bench lora", args.out, args.ranks, args.threads, args.run_timeout)
+    layout = [f"parallel.expert_parallel_size={args.ranks}"] if args.experts % args.ranks == 0 else []
+    features = {"full": layout, "lora": layout + lora_overrides(args)}
+
+    def plan(name: str):
+        def overrides(run_dir: Path) -> list[str]:
+            return [*common_overrides(args, run_dir), *model_overrides(args), *features[name], *args.overrides]
+
+        return overrides
+
+    args.runs = runner.rounds({name: plan(name) for name in features}, args.repeats, alternate=True)
+    figures = {name: run_figures(run, args.warmup + 1, stat="median") for name, run in args.runs.items()}
+    shape = [*model_overrides(args), *args.overrides]
+    params = {name: trainable_params(shape + features[name]) for name in features}
+    result = report(args, figures, params)
+    del args.runs
+    write_report(args.out, "lora", result, markdown(result))
+    return 0
