@@ -43,6 +43,10 @@ class LoraConfig:
     experts: bool = False
     # Module patterns trained in full beside the adapters (e.g. lm_head).
     modules_to_save: list[str] = field(default_factory=list)
+    # The frozen base parameters are stored in parallel.fsdp_plan.param_dtype (bf16: half the bytes of the fp32
+    # master copies full fine-tuning keeps, which a weight that never updates does not need); the adapters stay fp32.
+    # false: the base in fp32 too. With param_dtype fp32 both are the same.
+    frozen_in_compute_dtype: bool = True
     # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) whose values the adapters start
     # from; it must hold exactly the adapters the keys above describe. null: A kaiming-uniform, B zeros (PEFT's).
     init_from: str | None = None

@@ -31,7 +31,7 @@ from glm45v_fsdp.checkpoint.in_memory import FullTensors, load_full_tensors, loa
 from glm45v_fsdp.checkpoint.layout import KeyDiff, describe_diff, summarize_keys
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.log import get_logger
-from glm45v_fsdp.lora.apply import AdapterSpec, adapter_matches, apply_adapters, spec_from_config
+from glm45v_fsdp.lora.apply import AdapterSpec, adapter_matches, apply_adapters, spec_from_config, store_frozen_in
 from glm45v_fsdp.lora.peft_format import read_adapter
 from glm45v_fsdp.memory.chunk_loss import apply_chunk_loss, choose_chunk
 from glm45v_fsdp.memory.estimate import ActivationEstimate, loss_peak_bytes
@@ -209,6 +209,16 @@ class LoraPlan(Plan):
         else:
             spec, matches = spec_from_config(model, ctx.config.model.lora)
         apply_adapters(model, spec)
+        compute = DTYPES[ctx.config.parallel.fsdp_plan.param_dtype]
+        if ctx.config.model.lora.frozen_in_compute_dtype and compute != torch.float32:
+            stored = store_frozen_in(model, compute)
+            if not ctx.dry:
+                get_logger().info(
+                    "lora: the frozen base (%.2fM parameters) is stored in %s, the adapters in fp32 "
+                    "(model.lora.frozen_in_compute_dtype)",
+                    stored / 1e6,
+                    ctx.config.parallel.fsdp_plan.param_dtype,
+                )
         model.adapter_spec = spec  # for the weights plan (model.lora.init_from) and the adapter export
         if not ctx.dry:
             get_logger().info("lora: adapters on %s", spec.counts())

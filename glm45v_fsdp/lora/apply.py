@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from glm45v_fsdp.config import LoraConfig
@@ -113,3 +114,16 @@ def adapter_matches(spec: AdapterSpec) -> list[PlanMatch]:
     if spec.modules_to_save:
         matches.append(PlanMatch("PEFT modules_to_save", spec.modules_to_save))
     return matches
+
+
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """Every frozen floating-point parameter in `dtype` (meta device, before FSDP): it is only ever read in the
+    compute dtype, so its fp32 master copy would be dead weight. FSDP2 then all-gathers it as it is, and the weights
+    plan loads it with the cast a compute copy gets. Returns how many parameters (elements) it stored so."""
+    stored = 0
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+                module._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=False)
+                stored += param.numel()
+    return stored

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ADAPTER_MARKERS = ("lora_A", "lora_B")
+GEMM_ALIGN_BYTES = 16  # a grouped GEMM's operands need strides in multiples of 16 bytes (torch._grouped_mm, cuBLAS)
 
 
 def is_adapter(name: str) -> bool:
@@ -62,9 +63,15 @@ def add_expert_adapters(experts: nn.Module, stacks: dict[str, tuple[int, float]]
 
 def grouped_update(rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, counts: torch.Tensor, gemm):
     """s-less low-rank update of each expert's rows: (rows_e A_e^T) B_e^T per group, with the experts' grouped GEMM
-    `gemm(rows, weight, counts)`, or per expert (the reference loop) when `gemm` is None."""
+    `gemm(rows, weight, counts)`, or per expert (the reference loop) when `gemm` is None. The factors take the rows'
+    dtype (a one-rank bf16 run keeps its frozen base in bf16 and its fp32 adapters unsharded, under autocast)."""
+    lora_a, lora_b = lora_a.to(rows.dtype), lora_b.to(rows.dtype)
     if gemm is not None:
-        return gemm(gemm(rows, lora_a, counts), lora_b, counts)
+        pad = -lora_a.shape[1] % (GEMM_ALIGN_BYTES // lora_a.element_size())
+        if pad:  # zero rank rows / columns: the same update, with the strides a grouped GEMM needs
+            lora_a, lora_b = F.pad(lora_a, (0, 0, 0, pad)), F.pad(lora_b, (0, pad))
+        low = gemm(rows, lora_a, counts)
+        return gemm(low, lora_b.to(low.dtype), counts)
     outputs, start = [], 0
     for expert, count in enumerate(counts.tolist()):
         if count:
