@@ -5,12 +5,15 @@ saves loads in PEFT and gives the run's loss; the adapter layout conversions are
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import mean_relative_error, read_metrics, train, train_many
+from conftest import REPO, clean_env, mean_relative_error, read_metrics, train, train_many
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Glm4vMoeForConditionalGeneration
 
@@ -204,3 +207,33 @@ def test_expert_stack_layouts_round_trip():
     assert torch.allclose(torch.bmm(ours_b, ours_a), delta)
     assert torch.equal(to_peft("x.gate_up_proj_lora_A", ours_a), peft_a)
     assert torch.equal(to_peft("x.gate_up_proj_lora_B", ours_b), peft_b)
+
+
+def test_a_frozen_base_in_bf16_changes_no_loss(tmp_path):
+    """bf16 compute, EP 2: the frozen base stored in bf16 (the default) or in fp32 gives the same losses, since FSDP2
+    all-gathers both as bf16 for compute."""
+    lora = ["parallel.expert_parallel_size=2", "model.lora.rank=4", "model.lora.experts=true", "training.train_iters=3"]
+    runs = {"bf16 base": lora, "fp32 base": [*lora, "model.lora.frozen_in_compute_dtype=false"]}
+    results = train_many(tmp_path, runs, nproc=2)
+    bf16, fp32 = ([record["loss"] for record in records] for _, records in results.values())
+    assert mean_relative_error(bf16, fp32, steps=3) <= 1e-6, (bf16, fp32)
+    assert "the frozen base (0.49M parameters) is stored in bf16" in results["bf16 base"][0]
+    assert "is stored in" not in results["fp32 base"][0]
+
+
+def test_preflight_counts_a_frozen_bf16_base_and_no_optimizer_for_it():
+    """106B LoRA r=8 (attention + routed experts) on 8 ranks: the base's bytes per rank halve in bf16; gradients and
+    optimizer state are the adapters' only; it fits the 64 GiB device, which the fp32 base does not."""
+    figures = {}
+    for stored in ("true", "false"):
+        command = [sys.executable, "-m", "glm45v_fsdp.tools.preflight", "--json", "--world-size", "8", "--config",
+                   "glm45v_106b_sft", "model.lora.rank=8", "model.lora.experts=true",
+                   f"model.lora.frozen_in_compute_dtype={stored}"]  # fmt: skip
+        result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        figures[stored] = json.loads(result.stdout)["memory"]
+    bf16, fp32 = (figures[key]["per_rank"][0] for key in ("true", "false"))
+    assert 0.49 < bf16["params"] / fp32["params"] < 0.51
+    assert bf16["grads"] == fp32["grads"] and bf16["optimizer"] == fp32["optimizer"]
+    assert bf16["optimizer"] < 0.03 * bf16["params"]  # adapters only: r=8 against 106B frozen
+    assert figures["true"]["fits"] and not figures["false"]["fits"]
