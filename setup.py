@@ -60,7 +60,8 @@ setup(
         # reference the tests' stand-in torch_npu is checked against (tests/test_ops.py); matplotlib: the benchmark
         # charts (tests/test_chart.py, tests/test_bench.py); trl: TRL's SFTTrainer through the DeepSpeed door
         # (tests/test_glm_door_trl.py); av: the video decoding tests (tests/test_video_decode.py builds its files with
-        # PyAV 18's encoder API); datasets: data.dataset=hf (tests/test_hf_datasets.py)
+        # PyAV 18's encoder API); datasets: data.dataset=hf (tests/test_hf_datasets.py); peft: the reference LoRA
+        # runs and adapter files are compared with (tests/test_lora.py)
         "test": [
             "pytest>=8,<10",
             "ruff>=0.5",
@@ -71,6 +72,7 @@ setup(
             "trl>=1.16,<2",
             "datasets>=3",
             "av>=18",
+            "peft>=0.21,<0.23",
         ],
         "tensorboard": ["tensorboard>=2.14"],
         # PyAV: decoding the video files of data records (glm45v_fsdp/data/video.py)
