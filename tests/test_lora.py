@@ -23,7 +23,13 @@ from glm45v_fsdp.model import load_hf_config
 
 STEPS = 4
 RANK, ALPHA = 4, 8.0
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # the text layers' attention (the vision tower has qkv / proj)
+# PEFT's names: the text layers' attention and the vision blocks' fused qkv. (PEFT on transformers 5 turns GLM-4.5V's
+# gate_proj / up_proj / down_proj targets into the routed experts' target_parameters, its v4 -> v5 conversion, so the
+# shared-expert and vision MLP linears cannot be PEFT targets; ours can.)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "qkv"]
+OUR_TARGETS = [f"model.language_model.layers.{{*}}.self_attn.{name}" for name in TARGETS[:4]] + [
+    "model.visual.blocks.{*}.attn.qkv"
+]
 EXPERT_STACKS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 FP32_CONSTANT_LR = [
     "parallel.fsdp_plan.param_dtype=fp32",
@@ -69,16 +75,16 @@ def loss_sum(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
 
 
 def peft_losses(base: Path, adapter: Path, batches: list[list[Path]]) -> list[float]:
-    """PEFT on transformers in one process: per step, the data-parallel ranks' batches as one global batch (the
-    token-mean loss), AdamW as the run's (constant lr, no clipping)."""
+    """PEFT on transformers in one process: per step, the data-parallel ranks' batches averaged as the trainer's
+    default loss averages them (each micro batch's token mean, then the mean over the ranks), AdamW as the run's
+    (constant lr, no clipping)."""
     model = peft_model(base, adapter)
     trainable = [param for param in model.parameters() if param.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     losses = []
     for step_batches in batches:
         sums = [loss_sum(model, torch.load(path, weights_only=True)) for path in step_batches]
-        tokens = sum(count for _, count in sums)
-        loss = sum(total for total, _ in sums) / tokens
+        loss = sum(total / count for total, count in sums) / len(sums)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -123,6 +129,7 @@ def runs(base_and_adapter, tmp_path_factory) -> dict[str, Path]:
         f"model.lora.rank={RANK}",
         f"model.lora.alpha={ALPHA}",
         "model.lora.experts=true",
+        f"model.lora.target_modules=[{', '.join(OUR_TARGETS)}]",
         f"model.lora.init_from={adapter}",
     ]
     single = out_dir(root, "one rank")
@@ -144,7 +151,7 @@ def test_lora_equals_peft_on_transformers(runs, base_and_adapter, layout):
     assert mean_relative_error(ours, reference, steps=STEPS) <= 1e-5, (ours, reference)
     assert reference[-1] < reference[0]  # it trains: the comparison is not one of constants
     log = (out / "train.log").read_text()
-    assert "lora: adapters on 16 linear module(s), 3 experts module(s) (6 stack(s))" in log
+    assert "lora: adapters on 18 linear module(s), 3 experts module(s) (6 stack(s))" in log
     assert "weights: LoRA adapters from PEFT adapter" in log
 
 
@@ -156,6 +163,7 @@ def test_the_saved_adapter_loads_in_peft_with_our_loss(runs, base_and_adapter, t
     assert (saved / "adapter_config.json").is_file() and (saved / "adapter_model.safetensors").is_file()
     out = tmp_path / "reload"
     lora = [f"training.load={base}", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", "model.lora.experts=true"]
+    lora.append(f"model.lora.target_modules=[{', '.join(OUR_TARGETS)}]")
     overrides = (
         FP32_CONSTANT_LR
         + lora
@@ -174,6 +182,7 @@ def test_a_lora_run_resumes_exactly(runs, base_and_adapter, tmp_path):
     checkpoint's adapter/ loads in PEFT."""
     base, adapter = base_and_adapter
     lora = [f"training.load={base}", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", "model.lora.experts=true"]
+    lora.append(f"model.lora.target_modules=[{', '.join(OUR_TARGETS)}]")
     lora += [f"model.lora.init_from={adapter}", f"training.save={tmp_path / 'save'}"]
     first = train(tmp_path / "first", FP32_CONSTANT_LR + lora + ["training.train_iters=2"])
     assert first.returncode == 0, first.stderr[-3000:]
