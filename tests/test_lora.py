@@ -246,3 +246,24 @@ def test_preflight_counts_a_frozen_bf16_base_and_no_optimizer_for_it():
     assert bf16["grads"] == fp32["grads"] and bf16["optimizer"] == fp32["optimizer"]
     assert bf16["optimizer"] < 0.03 * bf16["params"]  # adapters only: r=8 against 106B frozen
     assert figures["true"]["fits"] and not figures["false"]["fits"]
+
+
+@pytest.mark.parametrize("which", ["ours", "PEFT's"])
+def test_lora_merge_gives_the_adapted_models_loss(runs, base_and_adapter, tmp_path, which):
+    """tools.convert lora-merge: base + adapter (the EP 2 run's, or PEFT's own file) -> an HF directory that
+    transformers' from_pretrained loads and that gives PEFT's loss with the adapter on the same batch."""
+    base, start = base_and_adapter
+    out = runs["EP 2 + recompute + dynamic chunk loss"]
+    adapter = out / "adapter" if which == "ours" else start
+    merged = tmp_path / "merged"
+    command = [sys.executable, "-m", "glm45v_fsdp.tools.convert", "lora-merge", str(base), str(adapter), str(merged)]
+    result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(24 adapted weight(s))" in result.stdout, result.stdout  # 18 linear layers, 3 x 2 expert stacks
+    batch_file = out / "batches" / "rank0_micro0.pt"
+    model = Glm4vMoeForConditionalGeneration.from_pretrained(merged, dtype=torch.float32)
+    with torch.no_grad():
+        total, tokens = loss_sum(model, torch.load(batch_file, weights_only=True))
+    expected = peft_eval_loss(base, adapter, batch_file)
+    assert abs(float(total) / tokens - expected) <= 1e-5 * expected
+    assert abs(peft_eval_loss(base, start, batch_file) - peft_eval_loss(base, out / "adapter", batch_file)) > 1e-4

@@ -364,6 +364,26 @@ def dcp_to_ds(args: argparse.Namespace) -> int:
     return 0
 
 
+def lora_merge(args: argparse.Namespace) -> int:
+    """An HF base + a PEFT LoRA adapter -> the merged model as HF safetensors (transformers' from_pretrained)."""
+    from glm45v_fsdp.lora.merge import adapter_deltas, merge_into
+
+    base, adapter = Path(args.base).expanduser(), Path(args.adapter).expanduser()
+    if detect_format(base, "lora-merge BASE") != "hf":
+        raise UserError(f"lora-merge BASE = '{base}' is not an HF model directory (config.json + safetensors).")
+    out = Path(args.out).expanduser()
+    _fresh_output(out, "lora-merge OUT")
+    config, origin = resolve_config(args.config, base)
+    with single_process_group():
+        model, hf_config = build_model(config)
+        load_hf_weights(model, base, strict=True)
+        deltas = adapter_deltas(adapter, model)
+        merge_into(model, deltas)
+        _export(model, out, hf_config, config, args.dtype)
+    print(f"lora-merge: {base} + {adapter} ({len(deltas)} adapted weight(s)) -> {out} (model from {origin})")
+    return 0
+
+
 def _has_tokenizer(name_or_path: str | None) -> bool:
     """The tiny tokenizer always exists; a model directory may come without tokenizer files."""
     return name_or_path is None or any(Path(name_or_path).glob("tokenizer*"))

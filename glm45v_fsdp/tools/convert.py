@@ -13,6 +13,8 @@
                                      each read weights-only (the only way this backend reads a .bin).
   dcp-to-ds CKPT OUT --zero-stage N --world-size W   one of our checkpoints -> DeepSpeed's layout for ZeRO stage N
                                      on W ranks (checkpoint/deepspeed_write.py): DeepSpeed resumes it.
+  lora-merge BASE ADAPTER OUT        an HF base + a PEFT LoRA adapter (ours or PEFT's, experts included) -> the
+                                     merged model (W + alpha/r B A per weight, per expert) as HF safetensors.
   verify PATH                        every file of a checkpoint (or of every checkpoint of a save directory) against
                                      its manifest of checksums: exit 0 when all are intact, 1 when one is damaged or
                                      has no manifest.
@@ -71,6 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.add_argument("--zero-stage", type=int, required=True, help="the ZeRO stage DeepSpeed resumes with")
     sub.add_argument("--world-size", type=int, required=True, help="the data-parallel ranks DeepSpeed resumes on")
     sub.set_defaults(run="dcp_to_ds")
+    sub = commands.add_parser("lora-merge", help="HF base + PEFT LoRA adapter -> the merged model, HF safetensors")
+    sub.add_argument("base", help="the base's HF model directory")
+    sub.add_argument("adapter", help="a PEFT LoRA adapter directory (a checkpoint's adapter/, save_pretrained's)")
+    sub.add_argument("out", help="new HF model directory")
+    sub.add_argument("--config", help=config_help)
+    sub.add_argument("--dtype", choices=("bf16", "fp32"), help="tensor dtype to write (default: as stored, fp32)")
+    sub.set_defaults(run="lora_merge")
     sub = commands.add_parser("verify", help="check a checkpoint's files against its checksums (offline)")
     sub.add_argument("path", help="a checkpoint (DCP step, HF export, DeepSpeed tag) or a directory holding several")
     sub.set_defaults(run="verify")
