@@ -67,6 +67,7 @@ def test_preflight_lists_the_registry_in_order(capsys):
         "moe",
         "ops",
         "freeze",
+        "lora",
         "recompute",
         "activation_offload",
         "chunk_loss",
