@@ -239,13 +239,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     """Run, then end the process through `end_process` (no interpreter teardown, see runtime.dist.shutdown): 0 when
     finished, 2 on a user error, 3 on a stop, 143 on a preemption (after its checkpoint). A crash keeps its
     traceback and the interpreter's exit."""
-    from glm45v_fsdp.runtime.stuck import hold_for_stuck_exit
-
     try:
         try:
             run(sys.argv[1:] if argv is None else argv)
         except BaseException:
-            hold_for_stuck_exit()  # a stuck verdict under way ends this rank with its own code
+            if "glm45v_fsdp.runtime.stuck" in sys.modules:  # imported by a run that got as far as training
+                sys.modules["glm45v_fsdp.runtime.stuck"].hold_for_stuck_exit()  # a stuck verdict ends it with 5
             raise
     except UserError as error:
         report_failure(error)

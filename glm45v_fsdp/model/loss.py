@@ -208,5 +208,12 @@ class Glm4vMoeForTraining(Glm4vMoeForConditionalGeneration):
 
     sequence_layout: WholeSequence = WholeSequence()
 
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """As the parent: transformers decides it from the source of the class's own module (its experts'
+        decorator) and caches the answer on the class it first asked, so without this the answer for our subclass
+        (False: this module has no such decorator) depended on whether the parent had been asked before."""
+        return Glm4vMoeForConditionalGeneration._can_set_experts_implementation()
+
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         return model_loss_sum(self, batch)
