@@ -43,7 +43,9 @@ def trainable_params(overrides: list[str]) -> tuple[int, int]:
     return trainable, sum(param.numel() for param in model.parameters())
 
 
-def report(args: argparse.Namespace, figures: dict[str, dict[str, Any]], params: dict[str, tuple[int, int]]):
+def report(
+    args: argparse.Namespace, runs: dict, figures: dict[str, dict[str, Any]], params: dict[str, tuple[int, int]]
+):
     full, lora = figures["full"], figures["lora"]
     rows = {}
     for name, figure in figures.items():
@@ -66,13 +68,13 @@ def report(args: argparse.Namespace, figures: dict[str, dict[str, Any]], params:
         **memory_pair(full, lora),
         "speedup": full["ms_per_iter"] / lora["ms_per_iter"],
         "optimizer_ratio": rows["lora"]["optimizer_mib"] / rows["full"]["optimizer_mib"],
-        "load_avg": load_range(args.runs.values()),
+        "load_avg": load_range(runs.values()),
         "notes": [
             f"{args.repeats} round(s) of both runs, alternating (ABBA); ms/iter: median of the steps after the first "
             f"{args.warmup} over all rounds; peak: each rank's largest over all steps and rounds.",
             "optimizer MiB = trainable parameters x 8 bytes (AdamW's two fp32 moments), counted on the meta model the "
             "plans build; a frozen parameter has no gradient, no reduce-scatter and no optimizer state.",
-            f"OMP_NUM_THREADS per rank: {args.threads}; 1-minute load {load_range(args.runs.values())}.",
+            f"OMP_NUM_THREADS per rank: {args.threads}; 1-minute load {load_range(runs.values())}.",
         ],
     }
 
@@ -132,11 +134,10 @@ def main_lora(args: argparse.Namespace, argv: list[str]) -> int:
 
         return overrides
 
-    args.runs = runner.rounds({name: plan(name) for name in features}, args.repeats, alternate=True)
-    figures = {name: run_figures(run, args.warmup + 1, stat="median") for name, run in args.runs.items()}
+    runs = runner.rounds({name: plan(name) for name in features}, args.repeats, alternate=True)
+    figures = {name: run_figures(run, args.warmup + 1, stat="median") for name, run in runs.items()}
     shape = [*model_overrides(args), *args.overrides]
     params = {name: trainable_params(shape + features[name]) for name in features}
-    result = report(args, figures, params)
-    del args.runs
+    result = report(args, runs, figures, params)
     write_report(args.out, "lora", result, markdown(result))
     return 0
