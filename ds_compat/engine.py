@@ -40,8 +40,10 @@ from ds_compat.glm_door import (
     check_autoep_section,
     forward_replaced,
     is_glm45v,
+    lora_overrides,
     model_overrides,
     output_layer_in_root,
+    peft_glm45v,
     take_weights,
 )
 from ds_compat.utils import groups, z3_leaf_module
@@ -62,6 +64,8 @@ from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE
 from glm45v_fsdp.config import Config, to_dict
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger, setup_logging
+from glm45v_fsdp.lora.peft_model import PeftAdapters, PeftNames, is_peft_model, take_adapters
+from glm45v_fsdp.lora.peft_model import save_pretrained as peft_save_pretrained
 from glm45v_fsdp.optim import RecipeSchedule, build_scheduler
 from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, compute_precision
 from glm45v_fsdp.plans import moe_layer_names
@@ -96,16 +100,12 @@ PLAN_EXTENSION_PREFIXES = ("features.", "model.")
 
 def generic_path_note(model: nn.Module) -> str:
     """The one line that says a module takes the generic path, and what is therefore off."""
-    peft = " (a PEFT model: its base is not built on the plan registry yet, docs/lora.md)" if _is_peft(model) else ""
+    peft = " (a PEFT model whose base model is not transformers' GLM-4.5V)" if is_peft_model(model) else ""
     return (
         f"{type(model).__name__} is not a model this backend builds on its plan registry (transformers' GLM-4.5V)"
         f"{peft}: it runs generic FSDP2 (each child of its ModuleLists a unit, then the root); expert parallelism, "
         f"context parallelism, the chunked loss, recompute, activation offload and the accelerator ops are off"
     )
-
-
-def _is_peft(model: nn.Module) -> bool:
-    return type(model).__module__.split(".")[0] == "peft"
 
 
 def refuse_plan_extension(ds_config: dict, model: nn.Module) -> None:
@@ -180,6 +180,27 @@ def _fill_from_partitions(model: nn.Module, partitioned: dict[str, nn.Parameter]
 
 SHARDED_AS = "_ds_compat_sharded_as"  # module attribute: how an engine sharded it, so a later engine can reuse it
 WHOLE_STATE_DICT = "_ds_compat_whole_state_dict"  # module flag: state_dict() / load_state_dict() with full tensors
+PEFT_NAMES = "_ds_compat_peft_names"  # module attribute of a PEFT model: its PeftNames (state dicts in PEFT's keys)
+OWN_NAMES = "_ds_compat_own_names"  # module flag: the engine's own checkpoint code reads our names
+
+
+def _peft_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """A PEFT model's state dict in PEFT's keys and layouts (`save_pretrained`, `get_peft_model_state_dict`)."""
+    names: PeftNames | None = getattr(module, PEFT_NAMES, None)
+    if names is None or getattr(module, OWN_NAMES, False):
+        return
+    mine = {key[len(prefix) :]: state_dict.pop(key) for key in [key for key in state_dict if key.startswith(prefix)]}
+    state_dict.update({prefix + key: value for key, value in names.to_peft(mine).items()})
+
+
+def _peft_load_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    """The other way: PEFT's keys given to `load_state_dict` (`set_peft_model_state_dict`) become ours."""
+    names: PeftNames | None = getattr(module, PEFT_NAMES, None)
+    if names is None or getattr(module, OWN_NAMES, False):
+        return
+    mine = {key[len(prefix) :]: state_dict.pop(key) for key in [key for key in state_dict if key.startswith(prefix)]}
+    names.from_peft(mine)
+    state_dict.update({prefix + key: value for key, value in mine.items()})
 
 
 def _whole_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -273,7 +294,10 @@ class DeepSpeedEngine(nn.Module):
         self.device = self.device_layer.device(self.local_rank)
         self.alst = mpu is not None  # DeepSpeed's ALST: the adapter slices the targets, the loss is the slice's
         self.translation: Translation = translate(with_alst_mpu(config, mpu) if self.alst else config, self.world_size)
-        self.glm45v = is_glm45v(model)  # GLM-4.5V runs on the plan registry; any other module on the generic path
+        # GLM-4.5V, bare or inside a PEFT LoRA model, runs on the plan registry; any other module on the generic path
+        peft_base = peft_glm45v(model)
+        self.glm45v = is_glm45v(model) or peft_base is not None
+        self.core = peft_base if peft_base is not None else model  # the model the plans (or generic FSDP) build
         if not self.glm45v:
             refuse_plan_extension(self.translation.ds_config, model)
             self.log.info("ds_compat: %s", generic_path_note(model))
@@ -298,10 +322,19 @@ class DeepSpeedEngine(nn.Module):
                 "false, or pass a GLM-4.5V."
             )
         self.config = self.translation.ds_config  # DeepSpeed's engine.config: the config dict
+        old_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        # read now: a generator (model.parameters()) read after the model is rebuilt would yield the new parameters,
+        # whose ids may be those of freed old ones
+        given_groups = None if model_parameters is None else _param_groups(model_parameters)
         from_model = []
+        self.peft: PeftAdapters | None = None
         if self.glm45v and not hasattr(model, SHARDED_AS):
-            check_autoep_section(self.config, model, moe_layer_names(model.config))
-            from_model = model_overrides(model)
+            check_autoep_section(self.config, self.core, moe_layer_names(self.core.config))
+            from_model = model_overrides(self.core)
+            if self.core is not model:
+                self.peft = take_adapters(model)  # the LoRA layers unwrapped: self.core is transformers' model again
+                from_model += lora_overrides(self.peft)
+                old_names = {key: self.peft.names.ours(name) for key, name in old_names.items()}
         self._config = self.translation.apply(Config(), from_model)
         self.dims = build_parallel_dims(self._config.parallel, self.world_size)
         self.meshes = ParallelMeshes(self.dims, self.device_layer.type)
@@ -329,27 +362,23 @@ class DeepSpeedEngine(nn.Module):
             if key in NOT_APPLIED and value not in ("false", "0") and not (self.glm45v and key in PLAN_KEYS):
                 self.log.warning("ds_compat: %s: %s", item, NOT_APPLIED[key])
 
-        old_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-        # read now: a generator (model.parameters()) read after the model is rebuilt would yield the new parameters,
-        # whose ids may be those of freed old ones
-        given_groups = None if model_parameters is None else _param_groups(model_parameters)
         if self.glm45v:
-            self._config.parallel.fsdp_plan = output_layer_in_root(model, self._config.parallel.fsdp_plan)
-            if forward_replaced(model) and split is not None and not self.alst:
+            self._config.parallel.fsdp_plan = output_layer_in_root(self.core, self._config.parallel.fsdp_plan)
+            if forward_replaced(self.core) and split is not None and not self.alst:
                 raise UserError(
                     f"DeepSpeed config key '{split[0]}' = {split[1]} with a GLM-4.5V whose forward was replaced on the "
-                    f"instance ({getattr(vars(model)['forward'], '__qualname__', 'a callable')}, e.g. TRL's fused LM "
-                    "head): that forward computes the loss itself from the backbone's output, which under context "
+                    f"instance ({getattr(vars(self.core)['forward'], '__qualname__', 'a callable')}, e.g. TRL's fused "
+                    "LM head): that forward computes the loss itself from the backbone's output, which under context "
                     "parallelism is this rank's slice of the sequence, against the whole sequence's labels. Use "
                     "parallelism_config (ParallelismConfig(sp_backend='deepspeed', sp_size=N)), whose loader adapter "
                     "hands each rank its slice of the targets, or remove the key."
                 )
-            if forward_replaced(model) and not hasattr(model, SHARDED_AS):
+            if forward_replaced(self.core) and not hasattr(model, SHARDED_AS):
                 self.log.info(
                     "ds_compat: the model's forward was replaced on the instance (%s): it computes its own loss, so "
                     "the chunk_loss plan does not run and lm_head stays in the root FSDP unit (its weight is read "
                     "without calling lm_head)",
-                    getattr(vars(model)["forward"], "__qualname__", "a callable"),
+                    getattr(vars(self.core)["forward"], "__qualname__", "a callable"),
                 )
             self.plan = self._config.parallel.fsdp_plan
             self.module = self._adopt(model, from_model)
@@ -366,7 +395,7 @@ class DeepSpeedEngine(nn.Module):
 
             self.loss_scaler = LossScaler(self._config.training.loss_scale)
             self.log.info("ds_compat: fp16 with %s", self.loss_scaler.describe())
-        self.precision = compute_precision(self.module, self.plan, self.device_layer.type)
+        self.precision = compute_precision(self.core, self.plan, self.device_layer.type)
         new_params = dict(self.module.named_parameters(remove_duplicate=False))
 
         self.training_dataloader = self.deepspeed_io(training_data) if training_data is not None else None
@@ -383,7 +412,7 @@ class DeepSpeedEngine(nn.Module):
                 self.lr_scheduler,
                 clip=self.gradient_clipping(),
                 scaler=self.loss_scaler,
-                hsdp_root=self.module if isinstance(self.module, FSDPModule) and self.dims.hsdp_enabled else None,
+                hsdp_root=self.core if isinstance(self.core, FSDPModule) and self.dims.hsdp_enabled else None,
                 on_skip=self._skip_step,
             )
         self.log.info(
@@ -468,11 +497,24 @@ class DeepSpeedEngine(nn.Module):
             type(model).__name__,
             ", ".join(from_model),
         )
-        partitioned = _take_zero_init_partitions(model)
+        glm = self.core
+        partitioned = _take_zero_init_partitions(glm)
         pending = {name: functools.partial(gather_full, param) for name, param in partitioned.items()}
-        weights = take_weights(model, pending, self.device, broadcast=self.world_size > 1)
-        matched = adopt_model(model, self._config, self.dims, self.meshes, self.device_layer, self.device, weights)
-        if "chunk_loss" in matched and not forward_replaced(model):
+        weights = take_weights(glm, pending, self.device, broadcast=self.world_size > 1, adapters=self.peft)
+        spec = self.peft.spec if self.peft is not None else None
+        matched = adopt_model(glm, self._config, self.dims, self.meshes, self.device_layer, self.device, weights, spec)
+        if self.peft is not None:
+            setattr(model, PEFT_NAMES, self.peft.names)
+            # PEFT's own save_pretrained finds the adapters by visiting its LoRA layers, which the lora plan replaced
+            model.save_pretrained = functools.partial(peft_save_pretrained, model, self.peft.names)
+            model.register_state_dict_post_hook(_peft_state_dict_hook)
+            model.register_load_state_dict_pre_hook(_peft_load_state_dict_hook)
+            self.log.info(
+                "ds_compat: the lora plan built the %s; the %s keeps PEFT's parameter names in its state dicts",
+                self.peft.describe(),
+                type(model).__name__,
+            )
+        if "chunk_loss" in matched and not forward_replaced(glm):
             self.log.info(
                 "ds_compat: the loss is chunked (%s): the model's output holds .loss and no logits",
                 self._config.features.chunk_loss.mode,
@@ -846,10 +888,12 @@ class DeepSpeedEngine(nn.Module):
         """The engine's own checkpoint code wants FSDP2's sharded state dicts, whatever the ZeRO stage."""
         whole = getattr(self.module, WHOLE_STATE_DICT, False)
         setattr(self.module, WHOLE_STATE_DICT, False)
+        setattr(self.module, OWN_NAMES, True)
         try:
             yield
         finally:
             setattr(self.module, WHOLE_STATE_DICT, whole)
+            setattr(self.module, OWN_NAMES, False)
 
     def _plain_engine_state(self, client_state: dict) -> bytes:
         """engine_state.pt's bytes; a client_state that would not load weights-only (it names a class or function
@@ -986,6 +1030,9 @@ class DeepSpeedEngine(nn.Module):
         if exclude_frozen_parameters:
             frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
             state = {key: value for key, value in state.items() if key not in frozen}
+        names: PeftNames | None = getattr(self.module, PEFT_NAMES, None)
+        if names is not None:  # a PEFT model's, in PEFT's keys (save_pretrained filters its adapters from them)
+            state = names.to_peft(state)
         if self.global_rank != 0:
             return None
         dtype = DTYPES[self.plan.param_dtype]

@@ -5,6 +5,9 @@ What reaches the plans, and from where:
 - the ds_config's translation (ds_compat.config): ZeRO stage -> FSDP2 layout, precision, `expert_parallel` -> EP,
   `activation_checkpointing` -> recompute, `cpu_checkpointing` -> activation offload, and the extension section
   (ds_compat.extension) for what DeepSpeed has no key for (chunked loss, EP balance, ops, HSDP replicate);
+- a PEFT LoRA model of it (get_peft_model, PeftModel.from_pretrained): the adapters PEFT built, taken apart by
+  glm45v_fsdp.lora.peft_model into the lora plan's spec and values, the PEFT object kept as the script's model with
+  PEFT's names on its state dicts;
 - the model itself: transformers' activation checkpointing, switched on before `initialize` (the HF Trainer's
   gradient_checkpointing=True, LLaMA-Factory), becomes the recompute plan and is switched off in transformers; its
   attention implementation; its weights, requires_grad and parameter names.
@@ -24,9 +27,11 @@ from transformers import Glm4vMoeForConditionalGeneration
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ds_compat._common import key_error
+from ds_compat.zero.partition_parameters import gather_full, is_partitioned
 from glm45v_fsdp.checkpoint.layout import model_tensors
 from glm45v_fsdp.config import FsdpPlanConfig
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.lora.peft_model import PeftAdapters, peft_base_model
 from glm45v_fsdp.model.hf_forward import Glm4vMoeForScripts
 from glm45v_fsdp.plans import GivenWeights
 
@@ -43,6 +48,30 @@ def is_glm45v(model: nn.Module) -> bool:
     if getattr(model.config, "model_type", None) != MODEL_TYPE:
         return False
     return type(model).forward in (Glm4vMoeForConditionalGeneration.forward, Glm4vMoeForScripts.forward)
+
+
+def peft_glm45v(model: nn.Module) -> nn.Module | None:
+    """The GLM-4.5V inside a PEFT LoRA model; None for anything else."""
+    base = peft_base_model(model)
+    return base if base is not None and is_glm45v(base) else None
+
+
+def lora_overrides(adapters: PeftAdapters) -> list[str]:
+    """Our model.lora keys for a PEFT model's adapters: they switch the lora plan on, which takes the modules, ranks
+    and scalings from the spec itself (each layer as PEFT built it)."""
+    spec = adapters.spec
+    settings = [*spec.linear.values(), *(adapter for stacks in spec.experts.values() for adapter in stacks.values())]
+    if not settings:
+        raise UserError(
+            "The PEFT model passed to deepspeed.initialize has no LoRA layer this backend adapts (nn.Linear layers, "
+            "the routed experts' stacks): check its LoraConfig's target_modules / target_parameters."
+        )
+    return [
+        f"model.lora.rank={settings[0].rank}",
+        f"model.lora.alpha={settings[0].alpha}",
+        f"model.lora.experts={str(bool(spec.experts)).lower()}",
+        "model.lora.target_modules=[]",
+    ]
 
 
 def model_overrides(model: nn.Module) -> list[str]:
@@ -124,12 +153,17 @@ def check_autoep_section(ds_config: dict, model: nn.Module, moe_layers: list[str
 
 
 def take_weights(
-    model: nn.Module, pending: dict[str, Callable[[], torch.Tensor]], device: torch.device, broadcast: bool
+    model: nn.Module,
+    pending: dict[str, Callable[[], torch.Tensor]],
+    device: torch.device,
+    broadcast: bool,
+    adapters: PeftAdapters | None = None,
 ) -> GivenWeights:
     """The script's weights, held by reference (no copy), and the model moved to the meta device in fp32 (FSDP2's
     master weights; requires_grad kept). `pending`: parameters whose values the module does not hold (zero.Init
     partitions, already meta in the module), each gathered when the weights plan copies it. `broadcast`: each tensor
-    is rank 0's (as DeepSpeed broadcasts the model at initialize), so every rank starts from the same weights."""
+    is rank 0's (as DeepSpeed broadcasts the model at initialize), so every rank starts from the same weights.
+    `adapters`: a PEFT model's adapters, each in our layout under our name."""
     tensors, _ = model_tensors(model)
     shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
     held = {name: tensor.detach() for name, tensor in tensors.items() if name not in pending}
@@ -145,4 +179,15 @@ def take_weights(
         return tensor
 
     getters = {name: functools.partial(rank0, tensor) for name, tensor in held.items()}
+    if adapters is not None:
+        for name, param in adapters.parameters.items():
+            shape = param.ds_shape if is_partitioned(param) else param.shape
+            shapes[name] = tuple(adapters.our_value(name, torch.empty(shape, device="meta")).shape)
+            getters[name] = functools.partial(_adapter_value, adapters, name, param, rank0)
+        source += f" with its {adapters.describe()}"
     return GivenWeights(shapes, {**getters, **pending}, source)
+
+
+def _adapter_value(adapters: PeftAdapters, name: str, param: nn.Parameter, rank0: Callable) -> torch.Tensor:
+    full = gather_full(param) if is_partitioned(param) else param.detach()
+    return rank0(adapters.our_value(name, full))

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.data import GlobalBatchSampler, build_dataloader, build_dataset, load_image_processor, load_tokenizer
 from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.lora.apply import AdapterSpec
 from glm45v_fsdp.model import build_meta_model, describe_model, load_hf_config
 from glm45v_fsdp.model.hf_forward import Glm4vMoeForScripts
 from glm45v_fsdp.module_patterns import PlanMatch
@@ -101,14 +102,16 @@ def adopt_model(
     device: DeviceLayer,
     torch_device: torch.device,
     weights: GivenWeights,
+    adapters: AdapterSpec | None = None,
 ) -> dict[str, list[PlanMatch]]:
     """A transformers GLM-4.5V that a script built (its parameters on the meta device now, their values in
     `weights`), rebuilt in place through the same plans as `build_model`: the object the script holds becomes a
     `Glm4vMoeForScripts` (transformers' forward contract on the training forward) with every feature of `config`,
-    the script's weights, requires_grad and parameter names. Returns {plan name: matches}."""
+    the script's weights, requires_grad and parameter names. `adapters`: the LoRA adapters of the PEFT model it came
+    in (their values in `weights`), for the lora plan. Returns {plan name: matches}."""
     hf_config = model.config
     model.__class__ = Glm4vMoeForScripts
-    context = PlanContext(config, dims, hf_config, device, meshes, torch_device, weights)
+    context = PlanContext(config, dims, hf_config, device, meshes, torch_device, weights, adapters)
     matched = apply_plans(model, context)
     model.applied_plans = {name: sum(len(match.names) for match in matches) for name, matches in matched.items()}
     get_logger().info(describe_model(model, hf_config))

@@ -36,6 +36,9 @@ class AdapterSpec:
     linear: dict[str, LinearAdapter] = field(default_factory=dict)
     experts: dict[str, dict[str, LinearAdapter]] = field(default_factory=dict)
     modules_to_save: tuple[str, ...] = ()
+    # The parameters that train, by name, when the model decides (a PEFT model's requires_grad); None: the adapters
+    # and the modules_to_save.
+    trained: frozenset[str] | None = None
 
     def counts(self) -> str:
         """For the log: how many linear modules, experts modules and experts got adapters."""
@@ -96,7 +99,8 @@ def apply_adapters(model: nn.Module, spec: AdapterSpec) -> None:
         )
     saved = tuple(f"{name}." for name in spec.modules_to_save)
     for name, param in model.named_parameters():
-        param.requires_grad_(is_adapter(name) or name.startswith(saved))
+        trains = (is_adapter(name) or name.startswith(saved)) if spec.trained is None else name in spec.trained
+        param.requires_grad_(trains)
 
 
 def lora_summary(model: nn.Module) -> dict[str, int]:

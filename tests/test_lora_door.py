@@ -1,0 +1,132 @@
+"""LoRA through the DeepSpeed door: a DeepSpeed-API script hands `deepspeed.initialize` a PEFT LoRA model of
+transformers' GLM-4.5V (attention, dense and shared-expert MLPs, the vision tower's linears, the routed experts via
+target_parameters) and gets the whole engine: under `ds-fsdp` it equals PEFT on transformers in one process, step by
+step and in a final eval, with EP 2 + recompute + the dynamic chunk loss, with Ulysses 2 and with Ring 2; it resumes
+exactly; the adapter PEFT's save_pretrained writes from the engine's consolidated state dict reloads in PEFT with the
+run's eval loss; and the trainer door with model.lora equals it on the same data."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, mean_relative_error, read_metrics, train
+from peft_common import ALPHA, OUR_TARGETS, RANK, load_peft, make_adapter, reference_run
+from test_glm_door import launch
+from transformers import Glm4vMoeForConditionalGeneration
+
+from glm45v_fsdp.config import ModelConfig
+from glm45v_fsdp.model import load_hf_config
+
+sys.path.insert(0, str(REPO / "tests"))
+SCRIPT = REPO / "tests" / "peft_door_script.py"
+STEPS, SAVE_AT = 4, 2
+LIMIT = 1e-5  # mean relative loss error, fp32
+RUN_PLANS = {
+    "ep": {"lora", "expert_parallel", "recompute", "chunk_loss", "fsdp"},
+    "ulysses2": {"lora", "context_parallel", "fsdp"},
+    "ring2": {"lora", "context_parallel", "fsdp"},
+}
+
+
+@pytest.fixture(scope="module")
+def base_and_adapter(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("peft_door")
+    torch.manual_seed(3)
+    Glm4vMoeForConditionalGeneration(load_hf_config(ModelConfig())).save_pretrained(root / "hf")
+    make_adapter(root / "hf", root / "adapter")
+    return root / "hf", root / "adapter"
+
+
+@pytest.fixture(scope="module")
+def door(base_and_adapter, tmp_path_factory) -> dict:
+    hf_dir, adapter = base_and_adapter
+    out = tmp_path_factory.mktemp("peft_door_runs")
+    log = launch(SCRIPT, 2, out, "--hf_dir", str(hf_dir), "--adapter", str(adapter), "--steps", str(STEPS))
+    return {"out": out, "log": log, "result": json.loads((out / "result.json").read_text())}
+
+
+def dumped(out: Path, run: str, first: int) -> list[list[dict]]:
+    """Each step's batches of the two ranks, as the script dumped them."""
+    return [
+        [torch.load(out / run / f"step{step}_rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+        for step in range(first + 1, STEPS + 1)
+    ]
+
+
+@pytest.mark.parametrize("run", list(RUN_PLANS))
+def test_peft_model_through_the_door_equals_peft_on_transformers(door, base_and_adapter, run):
+    hf_dir, adapter = base_and_adapter
+    steps = dumped(door["out"], run, 0)
+    losses, evaluated = reference_run(hf_dir, adapter, steps, steps[0], lr=1e-3)
+    result = door["result"][run]
+    assert mean_relative_error(result["losses"], losses, STEPS) <= LIMIT, (result["losses"], losses)
+    assert abs(result["eval"] - evaluated) <= LIMIT * evaluated, (result["eval"], evaluated)
+    assert RUN_PLANS[run] <= set(result["plans"]), result["plans"]
+    # 4 text layers x q/k/v/o, the dense layer's and 3 shared experts' gate/up/down, 2 vision blocks x (qkv + 3 MLP),
+    # the merger's 3; the 3 MoE layers' experts modules, each with both stacks
+    assert result["plans"]["lora"] == 39 + 3
+
+
+def test_the_log_names_the_adapters_and_the_plans(door):
+    log = door["log"]
+    assert "GLM-4.5V recognised (PeftModel)" in log
+    assert re.search(r"PEFT LoRA adapter 'default' on 39 linear module\(s\), 3 experts module\(s\) \(6 stack", log)
+    assert "[plan lora]" in log and "PEFT LoRA routed experts (target_parameters): 3 module(s)" in log
+    assert "[plan expert_parallel]" in log and "[plan chunk_loss]" in log
+    assert "generic FSDP2" not in log
+
+
+def test_peft_lora_resume_through_the_door_is_exact(door):
+    result = door["result"]
+    assert result["resumed"]["losses"] == result["ep"]["losses"][SAVE_AT:]
+
+
+@pytest.mark.parametrize("run", list(RUN_PLANS))
+def test_peft_save_pretrained_from_the_consolidated_state_dict_reloads_in_peft(door, base_and_adapter, run):
+    """PEFT's save_pretrained(state_dict=engine._zero3_consolidated_16bit_state_dict()), as the HF Trainer saves
+    under ZeRO 3: PEFT loads the adapter and gives the run's final eval loss."""
+    from peft_common import eval_loss
+
+    hf_dir, _ = base_and_adapter
+    saved = door["out"] / run / "peft_adapter"
+    config = json.loads((saved / "adapter_config.json").read_text())
+    assert config["r"] == RANK and config["lora_alpha"] == ALPHA
+    model = load_peft(hf_dir, saved)
+    evaluated = eval_loss(model, dumped(door["out"], run, 0)[0])
+    assert abs(evaluated - door["result"][run]["eval"]) <= LIMIT * evaluated
+
+
+def test_the_trainer_door_with_model_lora_equals_the_engine_door(door, base_and_adapter, tmp_path):
+    """`python -m glm45v_fsdp.train --deepspeed <the script's EP ds_config>` with model.lora on the same modules,
+    from the same adapter, on the same samples: the engine door's per-step losses. (A ds_config without a scheduler
+    keeps DeepSpeed's lr constant; the trainer keeps its own training.lr_scheduler, here constant.)"""
+    from peft_door_script import EP
+
+    hf_dir, adapter = base_and_adapter
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps(EP))
+    overrides = [
+        "--deepspeed",
+        str(config),
+        f"training.load={hf_dir}",
+        "data.shuffle=false",
+        "data.synthetic_video_every=0",
+        f"training.train_iters={STEPS}",
+        "training.lr_scheduler=constant",
+        f"model.lora.rank={RANK}",
+        f"model.lora.alpha={ALPHA}",
+        "model.lora.experts=true",
+        f"model.lora.target_modules=[{', '.join(OUR_TARGETS)}]",
+        f"model.lora.init_from={adapter}",
+    ]
+    result = train(tmp_path / "trainer", overrides, nproc=2)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = read_metrics(tmp_path / "trainer")
+    assert {record["lr"] for record in records} == {1e-3}
+    losses = [record["loss"] for record in records]
+    assert mean_relative_error(losses, door["result"]["ep"]["losses"], STEPS) <= LIMIT, (losses, door["result"]["ep"])
