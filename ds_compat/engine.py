@@ -38,6 +38,7 @@ from ds_compat.ds_keys import EXTENSION_KEY
 from ds_compat.extension import section_leaves
 from ds_compat.glm_door import (
     check_autoep_section,
+    directly_called,
     forward_replaced,
     is_glm45v,
     lora_overrides,
@@ -45,6 +46,7 @@ from ds_compat.glm_door import (
     output_layer_in_root,
     peft_glm45v,
     take_weights,
+    with_units,
 )
 from ds_compat.utils import groups, z3_leaf_module
 from ds_compat.zero.partition_parameters import gather_full, is_partitioned
@@ -362,8 +364,12 @@ class DeepSpeedEngine(nn.Module):
             if key in NOT_APPLIED and value not in ("false", "0") and not (self.glm45v and key in PLAN_KEYS):
                 self.log.warning("ds_compat: %s: %s", item, NOT_APPLIED[key])
 
+        self.own_units: tuple[str, ...] = ()
         if self.glm45v:
             self._config.parallel.fsdp_plan = output_layer_in_root(self.core, self._config.parallel.fsdp_plan)
+            if not hasattr(model, SHARDED_AS):
+                self.own_units = directly_called(model, self.core)
+                self._config.parallel.fsdp_plan = with_units(self._config.parallel.fsdp_plan, self.own_units)
             if forward_replaced(self.core) and split is not None and not self.alst:
                 raise UserError(
                     f"DeepSpeed config key '{split[0]}' = {split[1]} with a GLM-4.5V whose forward was replaced on the "
@@ -502,7 +508,16 @@ class DeepSpeedEngine(nn.Module):
         pending = {name: functools.partial(gather_full, param) for name, param in partitioned.items()}
         weights = take_weights(glm, pending, self.device, broadcast=self.world_size > 1, adapters=self.peft)
         spec = self.peft.spec if self.peft is not None else None
-        matched = adopt_model(glm, self._config, self.dims, self.meshes, self.device_layer, self.device, weights, spec)
+        if self.own_units:
+            self.log.info(
+                "ds_compat: the script registered a forward pre-hook on the model, which may call its submodules "
+                "before the forward (ms-swift's template embeds the tokens and runs the vision tower there): %s "
+                "each an FSDP unit of its own, gathered when called, the root initialised before the first call",
+                ", ".join(self.own_units),
+            )
+        matched = adopt_model(
+            glm, self._config, self.dims, self.meshes, self.device_layer, self.device, weights, spec, self.own_units
+        )
         if self.peft is not None:
             setattr(model, PEFT_NAMES, self.peft.names)
             # PEFT's own save_pretrained finds the adapters by visiting its LoRA layers, which the lora plan replaced
@@ -718,6 +733,10 @@ class DeepSpeedEngine(nn.Module):
         return self.train(False)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if isinstance(self.core, FSDPModule):
+            # FSDP2 takes the first sharded module run as its root: a script's pre-hook may run one of the model's
+            # own units before the model (the root) starts
+            self.core._get_fsdp_state()._lazy_init()
         with self.precision:
             return self.module(*inputs, **kwargs)
 

@@ -101,6 +101,23 @@ def forward_replaced(model: nn.Module) -> bool:
     return "forward" in vars(model)
 
 
+# What a script's forward pre-hook calls before the model's forward: ms-swift's GLM-4.5V template embeds input_ids
+# with the model's own embed_tokens and runs its vision tower, then passes inputs_embeds.
+DIRECTLY_CALLED = ("model.language_model.embed_tokens", "model.visual")
+
+
+def directly_called(model: nn.Module, glm: nn.Module) -> tuple[str, ...]:
+    """The modules the script may call itself before the forward: DIRECTLY_CALLED when it registered a forward
+    pre-hook on the model (the PEFT model or transformers' own), none otherwise."""
+    return DIRECTLY_CALLED if model._forward_pre_hooks or glm._forward_pre_hooks else ()
+
+
+def with_units(plan: FsdpPlanConfig, names: tuple[str, ...]) -> FsdpPlanConfig:
+    """The FSDP plan with each of `names` selected (as its own pattern) when no pattern selects it yet."""
+    missing = [name for name in names if name not in plan.apply_modules]
+    return dataclasses.replace(plan, apply_modules=[*plan.apply_modules, *missing]) if missing else plan
+
+
 def output_layer_in_root(model: nn.Module, plan: FsdpPlanConfig) -> FsdpPlanConfig:
     """Under a replaced forward, `lm_head` stays in the root's FSDP unit. A forward that reads `lm_head.weight`
     without calling `lm_head` would find a unit of its own still sharded, and a shard's `full_tensor()` gets in

@@ -103,15 +103,17 @@ def adopt_model(
     torch_device: torch.device,
     weights: GivenWeights,
     adapters: AdapterSpec | None = None,
+    own_units: tuple[str, ...] = (),
 ) -> dict[str, list[PlanMatch]]:
     """A transformers GLM-4.5V that a script built (its parameters on the meta device now, their values in
     `weights`), rebuilt in place through the same plans as `build_model`: the object the script holds becomes a
     `Glm4vMoeForScripts` (transformers' forward contract on the training forward) with every feature of `config`,
     the script's weights, requires_grad and parameter names. `adapters`: the LoRA adapters of the PEFT model it came
-    in (their values in `weights`), for the lora plan. Returns {plan name: matches}."""
+    in (their values in `weights`), for the lora plan; `own_units`: modules the script calls itself, each an FSDP
+    unit of its own. Returns {plan name: matches}."""
     hf_config = model.config
     model.__class__ = Glm4vMoeForScripts
-    context = PlanContext(config, dims, hf_config, device, meshes, torch_device, weights, adapters)
+    context = PlanContext(config, dims, hf_config, device, meshes, torch_device, weights, adapters, own_units)
     matched = apply_plans(model, context)
     model.applied_plans = {name: sum(len(match.names) for match in matches) for name, matches in matched.items()}
     get_logger().info(describe_model(model, hf_config))

@@ -75,6 +75,9 @@ class PlanContext:
     torch_device: torch.device = torch.device("cpu")
     weights: GivenWeights | None = None
     adapters: AdapterSpec | None = None  # a PEFT model's adapters (the DeepSpeed door); None: from model.lora
+    # Modules a script calls itself before the model's forward (the DeepSpeed door, when the script hooks the model's
+    # forward): each an FSDP unit of its own (parallel/fsdp.py apply_fsdp).
+    own_units: tuple[str, ...] = ()
 
     @property
     def dry(self) -> bool:
@@ -452,6 +455,7 @@ class FsdpPlan(Plan):
             required_units=REQUIRED_FSDP_UNITS,
             expert_units=expert_sharded_modules(model),
             expert_mesh=ctx.meshes.expert_shard,
+            own_units=ctx.own_units,
         )
         sharding = applied.sharding or (
             "not sharded: the FSDP mesh has one rank; the modules stay plain and param_dtype="

@@ -467,6 +467,12 @@ def test_lora_bench_runs_both_configurations_alternating_and_counts_the_optimize
     def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench lora", records=True):
         order.append(name)
         commands[name] = command
+        if not records:  # a DeepSpeed-API worker run (door vs DeepSpeed): its result.json
+            ms = 100.0 if name.startswith("deepspeed") else 25.0
+            result = {"ms": [500.0] + [ms] * 3, "losses": [3.0, 2.9, 2.8, 2.7], "peak_bytes_max": 2.0**20}
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / "result.json").write_text(json.dumps(result))
+            return [], 1.0, 2.0
         ms, peaks = (300.0, [1.0, 0.8]) if name == "full" else (200.0, [0.5, 0.4])
         record = {"step": 1, "loss": 3.0, "ms_per_iter": ms, "global_batch_size": 2, "tokens": 512,
                   "mem_peak_per_rank_gib": peaks}  # fmt: skip
@@ -475,8 +481,13 @@ def test_lora_bench_runs_both_configurations_alternating_and_counts_the_optimize
     monkeypatch.setattr(bench_runner, "execute", fake_execute)
     out = tmp_path / "lora"
     argv = ["lora", "--steps", "3", "--warmup", "1", "--repeats", "2", "--hidden", "128", "--out", str(out)]
-    assert bench.main(argv) == 0
-    assert order == ["full", "lora", "lora", "full"]
+    assert bench.main([*argv, "--ds-rounds", "2", "--ds-steps", "4"]) == 0
+    assert order == ["full", "lora", "lora", "full", "ds_compat lora 0", "deepspeed lora 0", "deepspeed lora 1",
+                     "ds_compat lora 1"]  # fmt: skip
+    for side in ("ds_compat", "deepspeed"):  # one script, one ds_config: PEFT's LoRA model, ZeRO 3, autoep over all
+        command = " ".join(commands[f"{side} lora 0"])
+        assert f"--backend={side}" in command and "--zero=3" in command and "--lora=8" in command
+        assert '"autoep_size": 2' in command
     assert "model.lora.rank=8" in commands["lora"] and "model.lora.experts=true" in commands["lora"]
     assert not any(item.startswith("model.lora") for item in commands["full"])
     assert all("parallel.expert_parallel_size=2" in commands[name] for name in ("full", "lora"))
@@ -486,3 +497,5 @@ def test_lora_bench_runs_both_configurations_alternating_and_counts_the_optimize
     assert lora["total_params"] > full["total_params"]  # the adapters come on top of the frozen base
     assert result["optimizer_ratio"] == pytest.approx(lora["trainable_params"] / full["trainable_params"])
     assert result["saving_max_pct"] == pytest.approx(50.0) and result["speedup"] == pytest.approx(1.5)
+    versus = result["vs_deepspeed"]
+    assert versus["speed_ratio"] == pytest.approx(4.0) and versus["pass"] and versus["loss_mean_rel_err"] == 0.0

@@ -3,7 +3,12 @@ transformers' GLM-4.5V (attention, dense and shared-expert MLPs, the vision towe
 target_parameters) and gets the whole engine: under `ds-fsdp` it equals PEFT on transformers in one process, step by
 step and in a final eval, with EP 2 + recompute + the dynamic chunk loss, with Ulysses 2 and with Ring 2; it resumes
 exactly; the adapter PEFT's save_pretrained writes from the engine's consolidated state dict reloads in PEFT with the
-run's eval loss; and the trainer door with model.lora equals it on the same data."""
+run's eval loss; and the trainer door with model.lora equals it on the same data.
+
+The real clients' patterns, each one script run by `deepspeed` and by `ds-fsdp`, equal step by step: ms-swift's
+GLM-4.5V template (a forward pre-hook that embeds the tokens and runs the vision tower with the model's own modules,
+then passes inputs_embeds), full fine-tuning and LoRA; the HF Trainer with a PeftModel; TRL's SFTTrainer with a
+peft_config."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 from conftest import REPO, mean_relative_error, read_metrics, train
 from peft_common import ALPHA, OUR_TARGETS, RANK, load_peft, make_adapter, reference_run
 from test_glm_door import launch
+from test_hf_integration import launch as launch_both
 from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.config import ModelConfig
@@ -130,3 +136,84 @@ def test_the_trainer_door_with_model_lora_equals_the_engine_door(door, base_and_
     assert {record["lr"] for record in records} == {1e-3}
     losses = [record["loss"] for record in records]
     assert mean_relative_error(losses, door["result"]["ep"]["losses"], STEPS) <= LIMIT, (losses, door["result"]["ep"])
+
+
+SWIFT_SCRIPT = REPO / "tests" / "swift_pattern_script.py"
+# (launcher, flags) per run. The real DeepSpeed's full fine-tuning runs at ZeRO 2: at ZeRO 3 on a CPU it fails in its
+# own zero_grad on the parameters the hook used outside the forward (`p.grad.record_stream`, a CUDA-only call);
+# the ZeRO stage changes no loss, so ours at ZeRO 3 (with EP) and at ZeRO 2 are held to the same numbers.
+SWIFT_RUNS = {
+    "ours_full_zero3_ep": ("ds-fsdp", "--zero", "3", "--ep"),
+    "ours_full_zero2": ("ds-fsdp", "--zero", "2"),
+    "deepspeed_full_zero2": ("deepspeed", "--zero", "2"),
+    "ours_lora_zero3_ep": ("ds-fsdp", "--zero", "3", "--lora", "--ep"),
+    "deepspeed_lora_zero3_ep": ("deepspeed", "--zero", "3", "--lora", "--ep"),
+}
+
+
+@pytest.fixture(scope="module")
+def swift_runs(base_and_adapter, tmp_path_factory) -> dict:
+    hf_dir, _ = base_and_adapter
+    root = tmp_path_factory.mktemp("swift_pattern")
+    found = {}
+    for name, (launcher, *flags) in SWIFT_RUNS.items():
+        out = root / name
+        out.mkdir()
+        log = launch_both(launcher, SWIFT_SCRIPT, out, "--hf_dir", str(hf_dir), *flags)
+        found[name] = {**json.loads((out / "result.json").read_text()), "log": log}
+    return found
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        ("ours_full_zero3_ep", "deepspeed_full_zero2"),
+        ("ours_full_zero2", "deepspeed_full_zero2"),
+        ("ours_lora_zero3_ep", "deepspeed_lora_zero3_ep"),
+    ],
+)
+def test_ms_swift_pattern_equals_deepspeed(swift_runs, ours, theirs):
+    """The hook's direct calls of embed_tokens and the vision tower work under ZeRO 3 (each an FSDP unit of its own,
+    gathered when called) and inputs_embeds with the collator's mRoPE positions are taken, with EP on."""
+    mine, reference = swift_runs[ours], swift_runs[theirs]
+    assert mean_relative_error(mine["losses"], reference["losses"], 4) <= LIMIT, (mine["losses"], reference["losses"])
+    assert "registered a forward pre-hook on the model" in mine["log"]
+    if "ep" in ours:
+        assert mine["plans"]["expert_parallel"] == 3
+    if "lora" in ours:
+        assert mine["plans"]["lora"] > 0
+
+
+TRAINER_SCRIPT = REPO / "tests" / "peft_trainer_script.py"
+
+
+@pytest.fixture(scope="module", params=["hf", "trl"])
+def trainer_pair(request, base_and_adapter, tmp_path_factory) -> dict:
+    hf_dir, _ = base_and_adapter
+    root = tmp_path_factory.mktemp(f"peft_{request.param}")
+    found = {}
+    for launcher in ("deepspeed", "ds-fsdp"):
+        out = root / launcher
+        out.mkdir()
+        ep = ["--ep"] if launcher == "ds-fsdp" else []  # the real DeepSpeed cannot (the script's docstring)
+        log = launch_both(launcher, TRAINER_SCRIPT, out, "--hf_dir", str(hf_dir), "--trainer", request.param, *ep)
+        found[launcher] = {**json.loads((out / "result.json").read_text()), "log": log, "out": out}
+    return found
+
+
+def test_hf_trainer_and_trl_with_peft_equal_deepspeed(trainer_pair, base_and_adapter):
+    """The HF Trainer with a PeftModel / TRL's SFTTrainer(peft_config=...), gradient_checkpointing=True, ZeRO 3,
+    under ds-fsdp with autoep 2: the same per-step losses as the real DeepSpeed (ZeRO 3 without EP), on the whole
+    engine; the adapter save_model writes holds the same weights as DeepSpeed's."""
+    from safetensors.torch import load_file
+
+    ours, theirs = trainer_pair["ds-fsdp"], trainer_pair["deepspeed"]
+    assert ours["backend"].startswith("ds_compat") and not theirs["backend"].startswith("ds_compat")
+    assert mean_relative_error(ours["losses"], theirs["losses"], 4) <= LIMIT, (ours["losses"], theirs["losses"])
+    assert ours["trainable"] == theirs["trainable"]
+    assert "GLM-4.5V recognised (PeftModel" in ours["log"] and "[plan lora]" in ours["log"]
+    assert "[plan expert_parallel]" in ours["log"] and "[plan recompute]" in ours["log"]
+    mine, reference = (load_file(side["out"] / "adapter" / "adapter_model.safetensors") for side in (ours, theirs))
+    assert mine.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(mine[key], reference[key], rtol=1e-4, atol=1e-6)

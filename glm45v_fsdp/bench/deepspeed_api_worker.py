@@ -70,11 +70,30 @@ def build_model(args: argparse.Namespace, world: int):
     from glm45v_fsdp.config import load_config
     from glm45v_fsdp.model.builder import load_hf_config
 
-    config = load_config(None, workload_overrides(args, world))
+    config = load_config(None, [*workload_overrides(args, world), *args.model_override])
     hf_config = load_hf_config(config.model)
     hf_config._attn_implementation = "sdpa"
     torch.manual_seed(1234)
-    return config, hf_config, Glm4vMoeForConditionalGeneration(hf_config)
+    model = Glm4vMoeForConditionalGeneration(hf_config)
+    return config, hf_config, peft_lora(model, args.lora) if args.lora else model
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # and the routed experts' stacks (target_parameters)
+
+
+def peft_lora(model, rank: int):
+    """`--lora R`: the script's model is PEFT's LoRA of it (rank R, alpha 2R) on the text attention and the routed
+    experts, as ms-swift's and LLaMA-Factory's GLM-4.5V recipes; B is zero, A seeded (PEFT's initialisation)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(4321)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=LORA_TARGETS,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    return get_peft_model(model, config)
 
 
 def context_parallel_size(args: argparse.Namespace) -> int:
@@ -197,6 +216,8 @@ def main() -> None:
     parser.add_argument("--cutoff-len", type=int, default=None, help="samples cut at this many tokens")
     parser.add_argument("--world-size", type=int, default=2, help="bare / --save-initial: the ranks of the others")
     parser.add_argument("--ds-extra", default=None, help="JSON merged into the ds_config (bench door)")
+    parser.add_argument("--lora", type=int, default=0, help="the model is PEFT's LoRA of this rank (bench lora)")
+    parser.add_argument("--model-override", action="append", default=[], help="our config key=value for the model")
     parser.add_argument("--save-initial", metavar="DIR", help="write the initial weights and ds_config to DIR")
     parser.add_argument("--save", metavar="DIR", help="save_checkpoint(DIR) after the timed steps")
     parser.add_argument("--resume", metavar="DIR", help="load_checkpoint(DIR) first; then --first-step must match")

@@ -6,21 +6,43 @@ fine-tuning, and LoRA of rank `--rank` on the text attention and the routed expe
 configuration: the median ms/iter of the steps after `--warmup`, each rank's peak memory (cpu: live tensor bytes,
 runtime/memory.py), the trainable parameters and the optimizer state they carry (AdamW: two fp32 moments and a step
 per trainable tensor), counted on the meta model the plans build (the same count the memory estimator uses).
+
+Then LoRA through the DeepSpeed door against the real DeepSpeed on one script (`--ds-rounds` rotated rounds; 0 skips
+it): the DeepSpeed-API worker of `bench deepspeed` (bench/deepspeed_api_worker.py) with `--lora`, which hands
+`initialize` PEFT's LoRA model of transformers' tiny GLM-4.5V (text attention + routed experts via
+target_parameters), ZeRO 3 and `expert_parallel.autoep_size` = the ranks in one ds_config. The real DeepSpeed trains
+it with its generic ZeRO 3 (its AutoEP finds no MoE layer in a PEFT model and says so); `ds-fsdp` builds it on the
+plan registry with EP. Figures: median ms/step per run after `--warmup`, DeepSpeed ms / door ms per round, the loss
+error of the door against DeepSpeed, each side's peak of live tensor bytes per rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 from typing import Any
 
+from glm45v_fsdp.bench.deepspeed_api import worker_command
 from glm45v_fsdp.bench.ep import model_overrides
 from glm45v_fsdp.bench.memory import common_overrides
 from glm45v_fsdp.bench.options import add_run_options, bench_command, check_counts, settle
-from glm45v_fsdp.bench.runner import Runner, load_range, md_table, memory_pair, run_figures, write_report
+from glm45v_fsdp.bench.runner import (
+    Run,
+    Runner,
+    errors,
+    load_range,
+    md_table,
+    memory_pair,
+    run_figures,
+    write_report,
+)
 
 MIB = 2**20
 ADAM_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq in fp32 (the step tensors are left out: 4 bytes per tensor)
+DS_SIDES = ("ds_compat", "deepspeed")  # the door (ds-fsdp) and the real DeepSpeed, on the same worker script
+DS_SPEED_GOAL = 3.0  # DeepSpeed ms / door ms
+DS_PARITY_LIMIT = 1e-5  # fp32 mean relative loss error, door vs DeepSpeed
 
 
 def lora_overrides(args: argparse.Namespace) -> list[str]:
@@ -43,8 +65,41 @@ def trainable_params(overrides: list[str]) -> tuple[int, int]:
     return trainable, sum(param.numel() for param in model.parameters())
 
 
+def door_vs_deepspeed(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
+    """The worker script with PEFT's LoRA model on the real DeepSpeed and through the door, `--ds-rounds` rounds in
+    alternating order (ABBA)."""
+    extra = {"expert_parallel": {"enabled": True, "autoep_size": args.ranks}}
+    worker = argparse.Namespace(steps=args.ds_steps, micro=2, ranks=args.ranks, profile=False, ds_extra=extra)
+    results: dict[str, list[dict[str, Any]]] = {side: [] for side in DS_SIDES}
+    for index in range(args.ds_rounds):
+        for side in DS_SIDES if index % 2 == 0 else DS_SIDES[::-1]:
+            run_dir = args.out / "vs_deepspeed" / f"{side}_{index}"
+            run = Run(f"{side} lora {index}")
+            command = [*worker_command(worker, side, 3, "fp32", run_dir / "result.json"), f"--lora={args.rank}"]
+            runner.launch(run, command, run_dir, f"LoRA {side}, round {index + 1}/{args.ds_rounds}", "result")
+            results[side].append(run.results[0])
+    ms = {side: [statistics.median(r["ms"][args.warmup :]) for r in results[side]] for side in DS_SIDES}
+    ratios = [reference / door for reference, door in zip(ms["deepspeed"], ms["ds_compat"])]
+    loss_error = errors(results["ds_compat"][0]["losses"], results["deepspeed"][0]["losses"])["mean_rel"]
+    ratio = statistics.median(ratios)
+    return {
+        "ms_per_step": {side: statistics.median(ms[side]) for side in DS_SIDES},
+        "ms_per_round": ms,
+        "ratio_per_round": ratios,
+        "speed_ratio": ratio,
+        "peak_mib": {side: max(r["peak_bytes_max"] for r in results[side]) / MIB for side in DS_SIDES},
+        "loss_mean_rel_err": loss_error,
+        "goal": f">= {DS_SPEED_GOAL}x DeepSpeed, loss error <= {DS_PARITY_LIMIT}",
+        "pass": ratio >= DS_SPEED_GOAL and loss_error <= DS_PARITY_LIMIT,
+    }
+
+
 def report(
-    args: argparse.Namespace, runs: dict, figures: dict[str, dict[str, Any]], params: dict[str, tuple[int, int]]
+    args: argparse.Namespace,
+    runs: dict,
+    figures: dict[str, dict[str, Any]],
+    params: dict[str, tuple[int, int]],
+    versus: dict[str, Any] | None,
 ):
     full, lora = figures["full"], figures["lora"]
     rows = {}
@@ -68,6 +123,7 @@ def report(
         **memory_pair(full, lora),
         "speedup": full["ms_per_iter"] / lora["ms_per_iter"],
         "optimizer_ratio": rows["lora"]["optimizer_mib"] / rows["full"]["optimizer_mib"],
+        "vs_deepspeed": versus,
         "load_avg": load_range(runs.values()),
         "notes": [
             f"{args.repeats} round(s) of both runs, alternating (ABBA); ms/iter: median of the steps after the first "
@@ -96,7 +152,27 @@ def markdown(result: dict[str, Any]) -> str:
         f"optimizer state x{result['optimizer_ratio']:.4f}; step time: LoRA {result['speedup']:.2f}x as fast",
         *[f"- {note}" for note in result["notes"]],
     ]
+    versus = result.get("vs_deepspeed")
+    if versus:
+        cells = [
+            [DS_NAMES[side], f"{versus['ms_per_step'][side]:.1f}",
+             " / ".join(f"{value:.1f}" for value in versus["ms_per_round"][side]), f"{versus['peak_mib'][side]:.1f}"]
+            for side in DS_SIDES
+        ]  # fmt: skip
+        lines += [
+            "",
+            f"## LoRA on one DeepSpeed-API script: the door (EP {result['ranks']}) vs the real DeepSpeed (ZeRO 3)",
+            "",
+            *md_table(("side", "ms/step", "ms/step per round", "peak MiB per rank"), cells),
+            "",
+            f"- DeepSpeed ms / door ms: {versus['speed_ratio']:.2f} (per round "
+            f"{', '.join(f'{r:.2f}' for r in versus['ratio_per_round'])}); loss error door vs DeepSpeed "
+            f"{versus['loss_mean_rel_err']:.2e}; goal {versus['goal']}: {'pass' if versus['pass'] else 'MISSED'}",
+        ]
     return "\n".join(lines) + "\n"
+
+
+DS_NAMES = {"ds_compat": "ds-fsdp door (plan registry, EP)", "deepspeed": "DeepSpeed (ZeRO 3, generic)"}
 
 
 def add_parser(sub: Any) -> None:
@@ -118,6 +194,8 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer")
     parser.add_argument("--top-k", type=int, default=4, help="experts per token")
     parser.add_argument("--moe-intermediate", type=int, default=512, help="each expert's intermediate size")
+    parser.add_argument("--ds-rounds", type=int, default=4, help="rounds of door vs real DeepSpeed (0: skip)")
+    parser.add_argument("--ds-steps", type=int, default=12, help="steps per door / DeepSpeed run")
     add_run_options(parser, Path("output/bench/lora"), threads_help="OMP_NUM_THREADS per rank (default: 1 on cpu)")
 
 
@@ -138,6 +216,7 @@ def main_lora(args: argparse.Namespace, argv: list[str]) -> int:
     figures = {name: run_figures(run, args.warmup + 1, stat="median") for name, run in runs.items()}
     shape = [*model_overrides(args), *args.overrides]
     params = {name: trainable_params(shape + features[name]) for name in features}
-    result = report(args, runs, figures, params)
+    versus = door_vs_deepspeed(args, runner) if args.ds_rounds else None
+    result = report(args, runs, figures, params, versus)
     write_report(args.out, "lora", result, markdown(result))
     return 0

@@ -9,6 +9,11 @@ collator makes, returning transformers' `MultimodalMoeCausalLMOutputWithPast`:
 - `logits`: fp32 logits when the loss is not chunked and the sequence is whole on this rank; None under the chunked
   loss, which never holds them, and under context parallelism, where each rank holds a part of the sequence.
 
+`inputs_embeds` instead of input_ids (ms-swift's GLM-4.5V template: a forward pre-hook embeds input_ids with the
+model's own `embed_tokens`, runs its vision tower on the images and scatters their features in) are taken as the
+merged embeddings, with the mRoPE `position_ids` [3, B, S] the script computed (get_rope_index): they cannot be
+derived from embeddings. The script ran the vision tower itself, on every rank, so it is not run again.
+
 Under context parallelism (the CP plan installs a split `sequence_layout`) every rank of a sequence group gets the
 whole micro batch and the forward splits it itself (padding to a multiple of the CP size, the text, the mRoPE
 positions, the images by image). The returned loss has the value a single rank computes for the whole micro batch
@@ -26,14 +31,20 @@ import torch
 from transformers import Glm4vMoeForConditionalGeneration
 from transformers.modeling_outputs import MultimodalMoeCausalLMOutputWithPast
 
+from glm45v_fsdp.data.vocab import shift_labels as shifted
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.model.loss import Glm4vMoeForTraining, forward_hidden, model_loss_sum_and_logits, with_video_frames
+from glm45v_fsdp.model.loss import (
+    Glm4vMoeForTraining,
+    forward_hidden,
+    lm_loss_sum_and_logits,
+    model_loss_sum_and_logits,
+    with_video_frames,
+)
 
 # Keyword arguments transformers' forward takes that change nothing in a training forward without a cache.
 _NEUTRAL = {"use_cache", "return_dict", "output_attentions", "output_hidden_states", "cache_position", "rope_deltas"}
 # What this forward cannot honour, with the reason (a silent ignore would train on something else).
 _REFUSED = {
-    "inputs_embeds": "the training forward embeds input_ids itself",
     "past_key_values": "the training forward runs without a key/value cache",
     "logits_to_keep": "the training forward computes the loss over the whole sequence",
 }
@@ -81,9 +92,20 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
         mm_token_type_ids: torch.Tensor | None = None,
         shift_labels: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
+        inputs_embeds: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> MultimodalMoeCausalLMOutputWithPast:
         _check_kwargs(kwargs)
+        if inputs_embeds is not None:
+            images = pixel_values is not None or pixel_values_videos is not None
+            _check_embedded(input_ids, images, position_ids, labels, shift_labels, self.sequence_layout)
+            hidden = self.model(
+                inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
+            targets = shift_labels if shift_labels is not None else shifted(labels)
+            loss_sum, count, logits = lm_loss_sum_and_logits(hidden, self.lm_head, targets)
+            divisor = count if num_items_in_batch is None else num_items_in_batch
+            return MultimodalMoeCausalLMOutputWithPast(loss=loss_sum / _on(divisor, loss_sum), logits=logits)
         if input_ids is None:
             raise UserError("The GLM-4.5V training forward needs input_ids (the model was called without them).")
         batch = {
@@ -119,9 +141,42 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
                 loss_sum = _whole_sequence_value(loss_sum, layout)
                 logits = None
         divisor = count if num_items_in_batch is None else num_items_in_batch
-        if torch.is_tensor(divisor):
-            divisor = divisor.to(loss_sum.device)
-        return MultimodalMoeCausalLMOutputWithPast(loss=loss_sum / divisor, logits=logits)
+        return MultimodalMoeCausalLMOutputWithPast(loss=loss_sum / _on(divisor, loss_sum), logits=logits)
+
+
+def _on(divisor: torch.Tensor | int, loss_sum: torch.Tensor) -> torch.Tensor | int:
+    return divisor.to(loss_sum.device) if torch.is_tensor(divisor) else divisor
+
+
+def _check_embedded(
+    input_ids: torch.Tensor | None,
+    images: bool,
+    position_ids: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    layout: Any,
+) -> None:
+    """What a forward from `inputs_embeds` needs: the embeddings alone (no input_ids, images already merged), the
+    mRoPE positions, targets, and the whole sequence on this rank."""
+    problem = None
+    if input_ids is not None:
+        problem = "input_ids and inputs_embeds together (transformers takes exactly one of them); pass one"
+    elif images:
+        problem = "pixel values beside inputs_embeds: merge the image features into the embeddings, or pass input_ids"
+    elif position_ids is None or position_ids.ndim != 3:
+        problem = (
+            "inputs_embeds without the mRoPE position_ids [3, batch, sequence], which cannot be derived from "
+            "embeddings; pass model.model.get_rope_index(...)'s positions, or pass input_ids"
+        )
+    elif labels is None and shift_labels is None:
+        problem = "inputs_embeds without labels: this training forward returns the loss; pass labels"
+    elif layout.size > 1:
+        problem = (
+            f"inputs_embeds under context parallelism ({layout.describe()}), where the forward splits input_ids, the "
+            "images and the positions itself; pass input_ids and the images"
+        )
+    if problem is not None:
+        raise UserError(f"The GLM-4.5V model was called with {problem}.")
 
 
 def _whole_sequence_value(part: torch.Tensor, layout: Any) -> torch.Tensor:

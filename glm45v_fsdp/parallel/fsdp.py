@@ -60,6 +60,7 @@ def apply_fsdp(
     required_units: tuple[str, ...] = (),
     expert_units: list[str] = (),
     expert_mesh: DeviceMesh | None = None,
+    own_units: tuple[str, ...] = (),
 ) -> FsdpApplied:
     """Shard the planned modules innermost first (so nested patterns work), then the root.
 
@@ -69,6 +70,9 @@ def apply_fsdp(
 
     `required_units` are modules the training forward calls outside their parent's forward, so each must be an
     FSDP unit of its own or its parameters would not be gathered when it runs; the plan must select them.
+    `own_units` are modules a script calls itself before the model's forward (a forward pre-hook that embeds the
+    tokens and runs the vision tower): each is a unit of its own whatever its size, so the call gathers it, and its
+    gradients are reduce-scattered after its own backward (in the root's unit they would come after the root's).
     Returns each pattern's matches and the log's line on what was sharded. The root keeps its parameters unsharded
     after forward: backward starts with it at once, so resharding would only cost an extra all-gather.
     """
@@ -85,8 +89,8 @@ def apply_fsdp(
     if mesh.size() == 1 and not plan.cpu_offload:
         return FsdpApplied(matches, None)
     size = unit_mib(plan, mesh.device_type)
-    alone = set(required_units) | set(expert_units)
-    groups = unit_groups(model, matches, alone, size, required=set(required_units))
+    alone = set(required_units) | set(expert_units) | set(own_units)
+    groups = unit_groups(model, matches, alone, size, required=set(required_units) - set(own_units))
     groups = [g for g in groups if g[0] not in expert_units]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan.param_dtype], reduce_dtype=DTYPES[plan.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if plan.cpu_offload else OffloadPolicy()
