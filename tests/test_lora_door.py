@@ -195,16 +195,15 @@ def trainer_pair(request, base_and_adapter, tmp_path_factory) -> dict:
     for launcher in ("deepspeed", "ds-fsdp"):
         out = root / launcher
         out.mkdir()
-        ep = ["--ep"] if launcher == "ds-fsdp" else []  # the real DeepSpeed cannot (the script's docstring)
-        log = launch_both(launcher, TRAINER_SCRIPT, out, "--hf_dir", str(hf_dir), "--trainer", request.param, *ep)
+        log = launch_both(launcher, TRAINER_SCRIPT, out, "--hf_dir", str(hf_dir), "--trainer", request.param)
         found[launcher] = {**json.loads((out / "result.json").read_text()), "log": log, "out": out}
     return found
 
 
 def test_hf_trainer_and_trl_with_peft_equal_deepspeed(trainer_pair, base_and_adapter):
-    """The HF Trainer with a PeftModel / TRL's SFTTrainer(peft_config=...), gradient_checkpointing=True, ZeRO 3,
-    under ds-fsdp with autoep 2: the same per-step losses as the real DeepSpeed (ZeRO 3 without EP), on the whole
-    engine; the adapter save_model writes holds the same weights as DeepSpeed's."""
+    """The HF Trainer with a PeftModel / TRL's SFTTrainer(peft_config=...), gradient_checkpointing=True, ZeRO 3 and
+    autoep 2: the same per-step losses as the real DeepSpeed (whose AutoEP skips a PEFT model), on the whole engine;
+    the adapter save_model writes holds the same weights as DeepSpeed's."""
     from safetensors.torch import load_file
 
     ours, theirs = trainer_pair["ds-fsdp"], trainer_pair["deepspeed"]
