@@ -38,10 +38,12 @@ setup(
         # 2.13 is the first release whose FSDP2/DTensor/DCP we test on CPU; the upper bound keeps pip from
         # pulling an untested major release.
         "torch>=2.13,<2.15",
-        # 5.24 is the first release our GLM-4.5V code runs on (5.6-5.12 lack Glm4vMoeTextExperts, 5.13-5.23 differ in
-        # the rotary buffer, the losses or create_causal_mask, MultimodalMoeCausalLMOutputWithPast arrives in 5.24);
-        # CI runs the model tests on exactly this lower bound (.ci/lowest-transformers).
-        "transformers>=5.24,<6",
+        # 5.18 is the first release our GLM-4.5V code runs on: it hands the vision features computed first into the
+        # model (mm_encoder_outputs); 5.17 builds the vision rotary differently, 5.6-5.12 lack Glm4vMoeTextExperts.
+        # Below 5.24 the code falls back for the output class, create_causal_mask's keyword and transformers'
+        # checkpointing switch (docs/lora.md). 5.18 admits ms-swift 4.6 (< 5.20). CI runs the model tests and two
+        # training steps on exactly this lower bound (.ci/lowest-transformers).
+        "transformers>=5.18,<6",
         "safetensors>=0.4",
         # the checkpoint manifests' checksums (xxh3-64, ~28 GB/s on one core; checkpoint/integrity.py)
         "xxhash>=3.0",

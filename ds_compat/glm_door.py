@@ -70,7 +70,6 @@ def lora_overrides(adapters: PeftAdapters) -> list[str]:
         f"model.lora.rank={settings[0].rank}",
         f"model.lora.alpha={settings[0].alpha}",
         f"model.lora.experts={str(bool(spec.experts)).lower()}",
-        "model.lora.target_modules=[]",
     ]
 
 
@@ -88,7 +87,9 @@ def model_overrides(model: nn.Module) -> list[str]:
     layers = [name for name, module in model.named_modules() if isinstance(module, GradientCheckpointingLayer)]
     checkpointed = [name for name in layers if model.get_submodule(name).gradient_checkpointing]
     if checkpointed:
-        model.activation_checkpointing_disable()
+        # transformers >= 5.23 names it activation_checkpointing_disable, earlier 5.x gradient_checkpointing_disable
+        disable = getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)
+        disable()
         overrides.append("features.recompute.enabled=true")
         if checkpointed != layers:  # transformers' every_n_layers: the same layers, by name
             overrides.append(f"features.recompute.apply_modules={checkpointed}")

@@ -659,12 +659,6 @@ def _validate_lora(config: Config) -> None:
         lora.target_modules,
         "a non-empty list of patterns, unless model.lora.experts=true",
     )
-    if lora.experts and config.features.ep_balance.enabled:
-        raise ConfigError(
-            "Config key 'features.ep_balance.enabled' = true with model.lora.experts=true: EP balance's expert "
-            "replicas do not carry the experts' adapters yet. Set features.ep_balance.enabled=false, or "
-            "model.lora.experts=false."
-        )
     if config.model.freeze:
         raise ConfigError(
             f"Config key 'model.freeze' = {config.model.freeze!r} with model.lora.rank={lora.rank}: LoRA freezes "

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMoE
 
+from glm45v_fsdp.checkpoint.base_reference import holds_trainable_only, read_base
 from glm45v_fsdp.checkpoint.dcp import load_checkpoint, resolve_load
 from glm45v_fsdp.checkpoint.hf import load_hf_weights
 from glm45v_fsdp.checkpoint.in_memory import FullTensors, load_full_tensors, load_some_tensors
@@ -521,6 +522,15 @@ def _load_configured(model: nn.Module, config: Config) -> None:
         log.info("weights: loaded from weights-only DCP checkpoint %s (training starts at step 0)", source.path)
         if not diff.ok:
             log.warning("weights: not loaded (training.load_strict=false): %s", describe_diff(diff))
+    elif source.format == "dcp" and holds_trainable_only(source.path):
+        base = read_base(source.path)
+        log.info(
+            "weights: the frozen base from %s, which checkpoint %s refers to (it holds a LoRA run's trainable state "
+            "only, restored once the optimizer is built)",
+            base,
+            source.path,
+        )
+        _load_hf(model, base, strict=True)
     else:
         kind = "DeepSpeed" if source.format == "deepspeed" else "DCP"
         log.info("weights: restored from %s checkpoint %s once the optimizer is built (resume)", kind, source.path)

@@ -102,6 +102,7 @@ def run(argv: list[str]) -> dict:
     """Parse, validate, build, resume (DCP), train, export (training.save_hf); returns the end-of-run summary."""
     args = parse_args(argv)  # before torch is imported: --help and usage errors answer at once
     from glm45v_fsdp.builders import build_loader, build_model, build_runtime, build_training_data
+    from glm45v_fsdp.checkpoint.base_reference import base_reference, holds_trainable_only, read_base
     from glm45v_fsdp.checkpoint.dcp import auto_resume, check_save_targets, load_model_weights, resolve_load
     from glm45v_fsdp.checkpoint.deepspeed import read_deepspeed
     from glm45v_fsdp.checkpoint.state import data_start_step, read_trainer_state
@@ -125,6 +126,7 @@ def run(argv: list[str]) -> dict:
     check_outputs(config.training)
     check_save_targets(config.training)
     config.training, weights_line = load_model_weights(config)
+    lora_base = lora_base_reference(config)  # before a resume replaces training.load
     config.training, resume_line = auto_resume(config.training)
     source = resolve_load(config.training)  # path errors before any collective; build_model loads HF weights
     resume = source if source is not None and source.format in ("dcp", "deepspeed") else None
@@ -153,7 +155,10 @@ def run(argv: list[str]) -> dict:
             samples = int(deepspeed_state.model_states.get("global_samples") or 0)
             start_step = data_start_step({"consumed_samples": samples}, global_batch)
         loader = build_loader(config, runtime, data, start_step=start_step)
-        trainer = Trainer(config, runtime, model, loader, recipe=ds_run.recipe if ds_run is not None else None)
+        recipe = ds_run.recipe if ds_run is not None else None
+        if resume is not None and resume.format == "dcp" and holds_trainable_only(resume.path):
+            lora_base = base_reference(read_base(resume.path))  # the base the resumed run trained on
+        trainer = Trainer(config, runtime, model, loader, recipe=recipe, lora_base=lora_base)
         if resume is not None and resume.format == "dcp":
             trainer.resume(resume.path)
         elif deepspeed_state is not None:
@@ -170,6 +175,19 @@ def run(argv: list[str]) -> dict:
         raise
     finally:
         shutdown(finished)
+
+
+def lora_base_reference(config: object) -> dict | None:
+    """A LoRA run's reference to the HF base it loads (its checkpoints then hold the trainable state only); None when
+    LoRA is off or the base is not an HF directory (a base initialised from the seed, or from a DCP checkpoint: the
+    checkpoints then hold the whole model)."""
+    from glm45v_fsdp.checkpoint.base_reference import base_reference
+    from glm45v_fsdp.checkpoint.dcp import resolve_load
+
+    if not config.model.lora.rank:
+        return None
+    source = resolve_load(config.training)
+    return base_reference(source.path) if source is not None and source.format == "hf" else None
 
 
 def record_deepspeed_config(ds_run: object, is_main: bool) -> None:

@@ -78,8 +78,11 @@ class Trainer:
         model: nn.Module,
         loader: Any,
         recipe: OptimizerRecipe | None = None,
+        lora_base: dict | None = None,
     ) -> None:
-        """`recipe` (default: from training.*) names the optimizer and its schedule; ds_compat passes a ds_config's."""
+        """`recipe` (default: from training.*) names the optimizer and its schedule; ds_compat passes a ds_config's.
+        `lora_base`: a LoRA run's reference to its frozen base (checkpoint/base_reference.py): its checkpoints then
+        hold the trainable state only."""
         self.config = config
         self.runtime = runtime
         self.model = model
@@ -124,7 +127,9 @@ class Trainer:
             self.log.info("outputs: %s (config.yaml, metrics.jsonl, summary.json)", self.output_dir)
         self.fault = Fault.from_env()
         adapter = self._adapter_writer()
-        self.checkpointer = Checkpointer(training, runtime.env.rank, self.fault, adapter) if training.save else None
+        self.checkpointer = (
+            Checkpointer(training, runtime.env.rank, self.fault, adapter, lora_base) if training.save else None
+        )
         self.preemption = PreemptionWatch()
         self.profiler = StepProfiler(training.profile_steps, self.output_dir, runtime.env.rank, runtime.device.type)
         self.preempted_ranks: list[int] = []  # ranks that got a preemption signal, known to all after a step

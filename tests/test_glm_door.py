@@ -377,12 +377,27 @@ def _forward_contract_worker(rank: int, port: int, chunked: bool) -> None:
             torch.testing.assert_close(ours.logits, theirs.logits.float(), rtol=1e-4, atol=1e-5)
         unlabeled = {key: value for key, value in inputs.items() if key != "labels"}
         assert engine(**unlabeled).loss is None and engine(**unlabeled).logits.shape[:2] == batch["input_ids"].shape
-    try:
-        engine(**inputs, inputs_embeds=torch.zeros(1))
-    except Exception as error:  # noqa: BLE001 - the refusal must name the key and the fix
-        assert "inputs_embeds" in str(error) and "Remove it" in str(error)
-    else:
-        raise AssertionError("inputs_embeds was accepted")
+        # inputs_embeds (ms-swift's template merges the images into them) with the collator's mRoPE positions
+        positions, _ = reference.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"], None, inputs["attention_mask"]
+        )
+        embedded = {
+            "inputs_embeds": reference.model.language_model.embed_tokens(inputs["input_ids"]),
+            "attention_mask": inputs["attention_mask"],
+            "labels": inputs["labels"],
+            "position_ids": positions,
+        }
+        torch.testing.assert_close(engine(**embedded).loss, reference(**embedded).loss, rtol=1e-5, atol=0)
+    for refused, words in (
+        ({**inputs, "inputs_embeds": torch.zeros(1)}, "input_ids and inputs_embeds together"),
+        ({k: v for k, v in embedded.items() if k != "position_ids"}, "mRoPE position_ids"),
+    ):
+        try:
+            engine(**refused)
+        except Exception as error:  # noqa: BLE001 - the refusal must name what is missing and the fix
+            assert words in str(error) and "pass" in str(error), error
+        else:
+            raise AssertionError(f"accepted: {sorted(refused)}")
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["full_logits", "chunked"])

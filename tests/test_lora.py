@@ -17,7 +17,9 @@ from conftest import REPO, clean_env, mean_relative_error, read_metrics, train, 
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Glm4vMoeForConditionalGeneration
 
+from glm45v_fsdp.checkpoint.dcp import read_model_tensors
 from glm45v_fsdp.config import ModelConfig
+from glm45v_fsdp.lora.layers import is_adapter
 from glm45v_fsdp.lora.peft_format import from_peft, to_peft
 from glm45v_fsdp.model import load_hf_config
 
@@ -109,6 +111,16 @@ LAYOUTS = {
             "features.chunk_loss.mode=dynamic",
         ],
     ),
+    # EP balance: the busiest rank's surplus pairs run on replicas, which bring their experts' adapters along
+    "EP 2 + balance": (
+        2,
+        [
+            "parallel.expert_parallel_size=2",
+            "features.ep_balance.enabled=true",
+            "features.ep_balance.trigger_max_over_mean=1.0",
+            "features.ep_balance.target_max_over_mean=1.0",
+        ],
+    ),
     # one data-parallel rank: both ranks dump the same (whole) batch, the reference counts it twice (same mean)
     "Ulysses 2": (2, ["parallel.ulysses_parallel_size=2"]),
     "Ring 2": (2, ["parallel.ring_attention_size=2"]),
@@ -153,6 +165,8 @@ def test_lora_equals_peft_on_transformers(runs, base_and_adapter, layout):
     log = (out / "train.log").read_text()
     assert "lora: adapters on 18 linear module(s), 3 experts module(s) (6 stack(s))" in log
     assert "weights: LoRA adapters from PEFT adapter" in log
+    if "balance" in layout:  # replicas ran, each with its expert's adapters
+        assert sum(record["ep_replicas"] for record in read_metrics(out)) > 0
 
 
 def test_the_saved_adapter_loads_in_peft_with_our_loss(runs, base_and_adapter, tmp_path):
@@ -179,7 +193,8 @@ def test_the_saved_adapter_loads_in_peft_with_our_loss(runs, base_and_adapter, t
 
 def test_a_lora_run_resumes_exactly(runs, base_and_adapter, tmp_path):
     """2 steps with a checkpoint, then training.resume=auto to step 4: steps 3 and 4 equal the straight run's; the
-    checkpoint's adapter/ loads in PEFT."""
+    checkpoint holds the trainable state only and a reference to the base (which the resume loads, and refuses once
+    the base's files changed); its adapter/ loads in PEFT."""
     base, adapter = base_and_adapter
     lora = [f"training.load={base}", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", "model.lora.experts=true"]
     lora.append(f"model.lora.target_modules=[{', '.join(OUR_TARGETS)}]")
@@ -198,6 +213,21 @@ def test_a_lora_run_resumes_exactly(runs, base_and_adapter, tmp_path):
     assert "adapter/adapter_model.safetensors" in (adapter.parent / "manifest.json").read_text()
     step3 = peft_eval_loss(base, adapter, tmp_path / "resumed" / "batches" / "rank0_micro0.pt")
     assert abs(step3 - again[0]) <= 1e-5 * again[0]
+    # the trainable state only: the adapters' tensors and their optimizer state, the base by reference
+    checkpoint = adapter.parent
+    saved = read_model_tensors(checkpoint)
+    assert saved and all(is_adapter(name) for name in saved), sorted(saved)[:5]
+    reference = json.loads((checkpoint / "base.json").read_text())
+    assert reference["path"] == str(base.absolute()) and "base.json" in (checkpoint / "manifest.json").read_text()
+    assert "the frozen base from" in resumed.stdout + resumed.stderr
+    base_bytes = sum(file.stat().st_size for file in base.glob("*.safetensors"))
+    assert sum(file.stat().st_size for file in checkpoint.glob("*.distcp")) < base_bytes / 2  # the whole: > base
+    reference["files"] = {name: size + 1 for name, size in reference["files"].items()}
+    for step in (tmp_path / "save").glob("step_*"):  # the resumed run's step-4 checkpoint is the latest now
+        (step / "base.json").write_text(json.dumps(reference))
+        (step / "manifest.json").unlink()  # edited on purpose: the base check, not the checksum, speaks
+    refused = train(tmp_path / "refused", FP32_CONSTANT_LR + lora + ["training.resume=auto", "training.train_iters=3"])
+    assert refused.returncode != 0 and "not the ones the run started from" in refused.stdout + refused.stderr
 
 
 def test_expert_stack_layouts_round_trip():
@@ -267,3 +297,17 @@ def test_lora_merge_gives_the_adapted_models_loss(runs, base_and_adapter, tmp_pa
     expected = peft_eval_loss(base, adapter, batch_file)
     assert abs(float(total) / tokens - expected) <= 1e-5 * expected
     assert abs(peft_eval_loss(base, start, batch_file) - peft_eval_loss(base, out / "adapter", batch_file)) > 1e-4
+
+
+def test_plan_reports_lora_beside_full_finetuning(capsys):
+    """tools.plan with model.lora, 106B at 8192 tokens on one node of 910B: the LoRA job's layouts fit, and beside them
+    the same job trained in full does not (it needs more than 3x a device's memory)."""
+    from glm45v_fsdp.tools.plan import main
+
+    job = ["--config", "glm45v_106b_sft", "--device", "910b", "--nodes", "1", "--tokens", "8192", "--top", "3"]
+    lora = ["model.lora.rank=8", "model.lora.alpha=16", "model.lora.experts=true"]
+    assert main([*job, "--json", *lora]) == 0
+    report = json.loads(capsys.readouterr().out)
+    full = report["full_finetuning"]
+    assert report["fitting"] > 0 and report["top"][0]["gib_per_rank"] <= report["usable_gib"]
+    assert full["fitting"] == 0 and full["closest"]["gib_per_rank"] > 3 * report["usable_gib"]

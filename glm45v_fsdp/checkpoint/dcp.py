@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from glm45v_fsdp.checkpoint.base_reference import BASE_FILE, holds_trainable_only, write_base
 from glm45v_fsdp.checkpoint.deepspeed import locate, tag_dir_of
 from glm45v_fsdp.checkpoint.hf import detect_format, holds_weights, refuse_pickle_weights
 from glm45v_fsdp.checkpoint.integrity import MANIFEST_FILE, has_manifest, merge_parts, verify, write_part
@@ -315,6 +316,10 @@ def load_checkpoint(
     """
     source = advice.source.format(path=checkpoint)
     model_state = get_model_state_dict(model)
+    trainable_only = holds_trainable_only(checkpoint)
+    if trainable_only:  # a LoRA run's: the frozen base came from its reference (the weights plan loaded it)
+        trainable = trainable_names(model)
+        model_state = {key: value for key, value in model_state.items() if key in trainable}
     expected = {key: tuple(value.shape) for key, value in model_state.items()}
     found = _checkpoint_shapes(checkpoint)
     diff = compare_keys(expected, found)
@@ -332,7 +337,7 @@ def load_checkpoint(
     except CheckpointException as error:
         cause = next(iter(error.failures.values()))[0]
         raise UserError(f"{source} could not be loaded: {cause}. {advice.optimizer_fix}") from None
-    options = StateDictOptions(strict=strict)
+    options = StateDictOptions(strict=strict and not trainable_only)  # trainable_only: strict on its keys above
     set_model_state_dict(model, state[MODEL_KEY], options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY], options=options)
@@ -362,12 +367,23 @@ def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """What a DCP checkpoint holds: {"model": FQN state dict, "optim": FQN optimizer state} (sharded, collective)."""
-    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+def model_and_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False
+) -> dict[str, Any]:
+    """What a DCP checkpoint holds: {"model": FQN state dict, "optim": FQN optimizer state} (sharded, collective);
+    `trainable_only`: the model's trainable parameters only (a LoRA run's, whose base is a reference)."""
+    model_state = get_model_state_dict(model)
+    if trainable_only:
+        trainable = trainable_names(model)
+        model_state = {key: value for key, value in model_state.items() if key in trainable}
+    state: dict[str, Any] = {MODEL_KEY: model_state}
     if optimizer is not None:
         state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
     return state
+
+
+def trainable_names(model: nn.Module) -> set[str]:
+    return {name for name, param in model.named_parameters() if param.requires_grad}
 
 
 def save_model_and_optimizer(checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -471,6 +487,7 @@ def _own_files(checkpoint: Path, rank: int) -> list[Path]:
     files = [*checkpoint.glob(f"__{rank}_*.distcp"), rng_file(checkpoint, rank)]
     if rank == 0:
         files += [checkpoint / METADATA_FILE, checkpoint / TRAINER_STATE_FILE]
+        files += [checkpoint / BASE_FILE] if (checkpoint / BASE_FILE).is_file() else []
         files += sorted(file for name in EXTRA_DIRS for file in (checkpoint / name).glob("*") if file.is_file())
     return files
 
@@ -527,9 +544,11 @@ class Checkpointer:
         rank: int,
         fault: Fault | None = None,
         extra: Callable[[Path], None] | None = None,
+        base: dict | None = None,
     ) -> None:
         assert training.save is not None
         self.extra = extra  # writes more of a checkpoint into its directory (collective; rank 0's files: EXTRA_DIRS)
+        self.base = base  # a LoRA run's base reference: checkpoints hold the trainable state only (base_reference.py)
         self.fault = fault  # GLM45V_FAULT's sigkill_save fires between writing and publishing
         self.save_dir = Path(training.save).expanduser()
         self.interval = training.save_interval
@@ -574,11 +593,13 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)  # an interrupted earlier attempt at this step
                 (tmp / RNG_DIR).mkdir(parents=True)
                 save_pt(trainer_state, tmp / TRAINER_STATE_FILE)
+                if self.base is not None:
+                    write_base(tmp, self.base)
             dist.barrier()
             if self.extra is not None:
                 self.extra(tmp)
             save_pt(rng_state, rng_file(tmp, self.rank))
-            state = model_and_optimizer_state(model, optimizer)
+            state = model_and_optimizer_state(model, optimizer, trainable_only=self.base is not None)
             if background:
                 written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
                 self._pending = _Pending(step, tmp, self._hasher.submit(self._checksums, tmp, written), start)

@@ -3,7 +3,7 @@ engine door: the HF Trainer, accelerate, TRL, LLaMA-Factory).
 
 `Glm4vMoeForScripts` keeps the training model's modules, names and loss path (`model_loss_sum_and_logits`: the
 sequence layout, the vision tower first, the chunked loss when its plan is on) and takes the keyword batch an HF
-collator makes, returning transformers' `MultimodalMoeCausalLMOutputWithPast`:
+collator makes, returning transformers' `MultimodalMoeCausalLMOutputWithPast` (`MoeCausalLMOutputWithPast` before 5.24):
 - `loss`: the token mean of the micro batch's cross-entropy, or its sum over `num_items_in_batch` when the HF Trainer
   passes that count (its normalisation over the accumulation and the ranks), as transformers' ForCausalLMLoss;
 - `logits`: fp32 logits when the loss is not chunked and the sequence is whole on this rank; None under the chunked
@@ -29,7 +29,11 @@ from typing import Any
 
 import torch
 from transformers import Glm4vMoeForConditionalGeneration
-from transformers.modeling_outputs import MultimodalMoeCausalLMOutputWithPast
+
+try:  # transformers >= 5.24; earlier 5.x return GLM-4.5V's loss and logits in the plain MoE output class
+    from transformers.modeling_outputs import MultimodalMoeCausalLMOutputWithPast as CausalLMOutput
+except ImportError:  # pragma: no cover - exercised by .ci/lowest-transformers
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast as CausalLMOutput
 
 from glm45v_fsdp.data.vocab import shift_labels as shifted
 from glm45v_fsdp.errors import UserError
@@ -94,7 +98,7 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
         num_items_in_batch: torch.Tensor | int | None = None,
         inputs_embeds: torch.Tensor | None = None,
         **kwargs: Any,
-    ) -> MultimodalMoeCausalLMOutputWithPast:
+    ) -> CausalLMOutput:
         _check_kwargs(kwargs)
         if inputs_embeds is not None:
             images = pixel_values is not None or pixel_values_videos is not None
@@ -105,7 +109,7 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
             targets = shift_labels if shift_labels is not None else shifted(labels)
             loss_sum, count, logits = lm_loss_sum_and_logits(hidden, self.lm_head, targets)
             divisor = count if num_items_in_batch is None else num_items_in_batch
-            return MultimodalMoeCausalLMOutputWithPast(loss=loss_sum / _on(divisor, loss_sum), logits=logits)
+            return CausalLMOutput(loss=loss_sum / _on(divisor, loss_sum), logits=logits)
         if input_ids is None:
             raise UserError("The GLM-4.5V training forward needs input_ids (the model was called without them).")
         batch = {
@@ -128,7 +132,7 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
                 )
             batch = layout.pad(with_video_frames(batch))
             hidden = forward_hidden(self, batch, layout.encode_images(self, batch))
-            return MultimodalMoeCausalLMOutputWithPast(logits=self.lm_head(hidden).float())
+            return CausalLMOutput(logits=self.lm_head(hidden).float())
         layout = self.sequence_layout
         local_targets = _sliced_targets(shift_labels, input_ids, layout)
         if local_targets is not None:  # DeepSpeed's ALST adapter sliced them: this slice's loss, as DeepSpeed's
@@ -141,7 +145,7 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
                 loss_sum = _whole_sequence_value(loss_sum, layout)
                 logits = None
         divisor = count if num_items_in_batch is None else num_items_in_batch
-        return MultimodalMoeCausalLMOutputWithPast(loss=loss_sum / _on(divisor, loss_sum), logits=logits)
+        return CausalLMOutput(loss=loss_sum / _on(divisor, loss_sum), logits=logits)
 
 
 def _on(divisor: torch.Tensor | int, loss_sum: torch.Tensor) -> torch.Tensor | int:

@@ -97,9 +97,10 @@ class _ContiguousGrad(torch.autograd.Function):
 
 class ExtraExperts(Protocol):
     """Experts a forward runs beyond this rank's own (EP balance's replicas): `run` computes the own experts with
-    `compute` on the first rows and the extra ones on the rest."""
+    `compute` on the first rows and the extra ones on the rest. `stacks`: this rank's [n, ...] stacks by name, the
+    base's and their adapters' (a replica carries all of its expert's)."""
 
-    def run(self, compute, rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor): ...
+    def run(self, compute, rows: torch.Tensor, counts: torch.Tensor, stacks: dict[str, torch.Tensor]): ...
 
 
 class GroupedExperts(nn.Module):
@@ -134,26 +135,26 @@ class GroupedExperts(nn.Module):
         self.kernel, self.gemm, self.swiglu = name, gemm, swiglu
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, extra: ExtraExperts | None = None) -> torch.Tensor:
-        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        stacks = {name: _local(getattr(self, name)) for name in self.stacks()}
         if extra is not None:
-            return extra.run(self.compute, rows, counts, gate_up, down)
-        return self.compute(rows, counts, gate_up, down)
+            return extra.run(self.compute, rows, counts, stacks)
+        return self.compute(rows, counts, stacks)
 
-    def compute(
-        self, rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-    ) -> torch.Tensor:
-        """Expert e of the stacks (gate_up [n, 2I, H], down [n, H, I]) on its counts[e] contiguous rows."""
+    def compute(self, rows: torch.Tensor, counts: torch.Tensor, stacks: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Expert e of the stacks (gate_up_proj [n, 2I, H], down_proj [n, H, I] and their adapters' factors, by
+        name) on its counts[e] contiguous rows."""
+        gate_up, down = stacks["gate_up_proj"], stacks["down_proj"]
         assert counts.numel() == gate_up.shape[0], f"{counts.numel()} row counts for {gate_up.shape[0]} experts"
         if self.gemm is not None:
-            projected = self._adapted(self.gemm(rows, gate_up, counts), "gate_up_proj", rows, counts)
+            projected = self._adapted(self.gemm(rows, gate_up, counts), "gate_up_proj", rows, counts, stacks)
             if self.swiglu is not None:
                 hidden = self.swiglu(projected)
             else:
                 gate, up = projected.chunk(2, dim=-1)
                 hidden = self.act_fn(gate) * up
-            return self._adapted(self.gemm(hidden, down, counts), "down_proj", hidden, counts)
+            return self._adapted(self.gemm(hidden, down, counts), "down_proj", hidden, counts, stacks)
         if self.adapter_scaling:  # the reference loop with adapters: each expert's adapted projections in turn
-            return self._adapted_loop(rows, counts, gate_up, down)
+            return self._adapted_loop(rows, counts, stacks)
         outputs, start = [], 0
         for expert, count in enumerate(counts.tolist()):
             if count:
@@ -166,21 +167,26 @@ class GroupedExperts(nn.Module):
             return F.linear(self.act_fn(gate) * up, down[0])
         return torch.cat(outputs)
 
-    def _adapted(self, projected: torch.Tensor, stack: str, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _adapted(
+        self,
+        projected: torch.Tensor,
+        stack: str,
+        rows: torch.Tensor,
+        counts: torch.Tensor,
+        stacks: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
         """`projected` (rows x stack^T per expert) plus the stack's LoRA update when it has an adapter."""
         scaling = self.adapter_scaling.get(stack)
         if scaling is None:
             return projected
-        lora_a, lora_b = _local(getattr(self, f"{stack}_lora_A")), _local(getattr(self, f"{stack}_lora_B"))
-        return projected + grouped_update(rows, lora_a, lora_b, counts, self.gemm) * scaling
+        update = grouped_update(rows, stacks[f"{stack}_lora_A"], stacks[f"{stack}_lora_B"], counts, self.gemm)
+        return projected + update * scaling
 
-    def _adapted_loop(
-        self, rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-    ) -> torch.Tensor:
-        projected = self._adapted(loop_gemm(rows, gate_up, counts), "gate_up_proj", rows, counts)
-        gate, up = projected.chunk(2, dim=-1)
+    def _adapted_loop(self, rows: torch.Tensor, counts: torch.Tensor, stacks: dict[str, torch.Tensor]) -> torch.Tensor:
+        gate_up = self._adapted(loop_gemm(rows, stacks["gate_up_proj"], counts), "gate_up_proj", rows, counts, stacks)
+        gate, up = gate_up.chunk(2, dim=-1)
         hidden = self.act_fn(gate) * up
-        return self._adapted(loop_gemm(hidden, down, counts), "down_proj", hidden, counts)
+        return self._adapted(loop_gemm(hidden, stacks["down_proj"], counts), "down_proj", hidden, counts, stacks)
 
 
 def loop_gemm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

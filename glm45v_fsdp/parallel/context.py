@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,9 @@ from glm45v_fsdp.errors import ConfigError
 from glm45v_fsdp.module_patterns import PlanMatch, match_modules
 from glm45v_fsdp.parallel.ring import Ring, ring_attention, ring_pieces, sequence_segments
 from glm45v_fsdp.parallel.sequence import SplitSequence, ZigzagSequence
+
+# transformers >= 5.24 names create_causal_mask's cache argument `cache`, 5.2-5.23 `past_key_values`
+MASK_CACHE_KEY = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 CONTEXT_ATTENTION = "glm45v_context"
 CP_KERNELS = ("sdpa", "eager")  # attention kernels context parallelism has been verified with
@@ -170,8 +174,8 @@ def _language_model_forward(
             config=module.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            cache=None,
             position_ids=text_position_ids,
+            **{MASK_CACHE_KEY: None},
         )
     hidden = layout.shard(inputs_embeds, dim=1)
     position_ids = layout.shard(position_ids, dim=2)

@@ -43,7 +43,7 @@ from glm45v_fsdp.parallel.expert_route import Route, plan_route
 
 DISPATCHERS = ("alltoall", "allgather")
 
-Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Compute = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 
 @dataclass
@@ -181,25 +181,31 @@ class ReplicaWeights:
         self.route, self.rank, self.group, self.stats = route, rank, group, stats
 
     def run(
-        self, compute: Compute, rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+        self, compute: Compute, rows: torch.Tensor, counts: torch.Tensor, stacks: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        route, own = self.route, gate_up.shape[0]
+        """`stacks`: this rank's experts' [n, ...] stacks by name (the base's and any adapters'); a replica brings
+        all of its expert's, packed in one row per expert (all of one dtype: the adapters take the base's on the
+        way and return their gradients in it)."""
+        route, own = self.route, stacks["gate_up_proj"].shape[0]
         first = route.experts_per_rank * self.rank
         sent = [e - first for dest in range(route.size) for e in route.replicas[dest] if route.owner(e) == self.rank]
         send_splits = [sum(route.owner(e) == self.rank for e in route.replicas[d]) for d in range(route.size)]
         recv_splits = [sum(route.owner(e) == owner for e in route.replicas[self.rank]) for owner in range(route.size)]
-        index = torch.tensor(sent, dtype=torch.long, device=gate_up.device)
-        packed = torch.cat([gate_up[index].flatten(1), down[index].flatten(1)], dim=1)
+        dtype = stacks["gate_up_proj"].dtype
+        index = torch.tensor(sent, dtype=torch.long, device=rows.device)
+        packed = torch.cat([stack[index].flatten(1).to(dtype) for stack in stacks.values()], dim=1)
         arrived = all_to_all_single_autograd(packed, recv_splits, send_splits, self.group)
         if not in_backward():
             self.stats.replica_bytes += arrived.numel() * arrived.element_size()
-        gate_up_size = gate_up[0].numel()
-        replica_gate_up = arrived[:, :gate_up_size].view(-1, *gate_up.shape[1:])
-        replica_down = arrived[:, gate_up_size:].view(-1, *down.shape[1:])
+        replicas, start = {}, 0
+        for name, stack in stacks.items():
+            size = stack[0].numel()
+            replicas[name] = arrived[:, start : start + size].view(-1, *stack.shape[1:]).to(stack.dtype)
+            start += size
         own_rows = int(counts[:own].sum())
-        out = compute(rows[:own_rows], counts[:own], gate_up, down)
-        if replica_gate_up.shape[0]:
-            out = torch.cat([out, compute(rows[own_rows:], counts[own:], replica_gate_up, replica_down)])
+        out = compute(rows[:own_rows], counts[:own], stacks)
+        if arrived.shape[0]:
+            out = torch.cat([out, compute(rows[own_rows:], counts[own:], replicas)])
         else:  # no replica here: tie the (empty) exchange into the output so its backward runs on this rank too
             out = out + arrived.sum().to(out.dtype) * 0
         return out

@@ -4,10 +4,11 @@ chosen layout as overrides, the config's own layout beside it, `--explain`'s ter
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
-from glm45v_fsdp.config import Config, load_config
+from glm45v_fsdp.config import Config, LoraConfig, load_config
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.model import load_hf_config
 from glm45v_fsdp.planner.devices import GIB, PRESETS, Device, load_calibration
@@ -163,8 +164,24 @@ def run_plan(args: argparse.Namespace) -> int:
         closest = results[0] if results else None
         if closest is not None:
             report["closest"] = {**row(0, closest, job), "remedies": remedies(planner, closest)}
+    if planner.config.model.lora.rank:
+        report["full_finetuning"] = full_finetuning(args, planner.config, space)
     print(json.dumps(report, indent=1) if args.json else format_table(report))
     return 0
+
+
+def full_finetuning(args: argparse.Namespace, config: Config, space: SearchSpace) -> dict[str, Any]:
+    """The same job without LoRA (every parameter trained), for the report beside the LoRA plan: how many layouts fit
+    and the best one, or the closest and by how much it misses."""
+    full = dataclasses.replace(config, model=dataclasses.replace(config.model, lora=LoraConfig()))
+    planner, job = build_planner(args, full)
+    results = planner.search(space)
+    fitting = [r for r in results if r.fits]
+    found = fitting[0] if fitting else (results[0] if results else None)
+    return {
+        "fitting": len(fitting),
+        "best" if fitting else "closest": None if found is None else row(1 if fitting else 0, found, job),
+    }
 
 
 def rank_of(found: Evaluation, fitting: list[Evaluation]) -> int:
@@ -224,6 +241,17 @@ def format_table(report: dict[str, Any]) -> str:
             + "). "
             + (f"It fits with: {changes}." if changes else "No single switch makes it fit: add nodes or shorten it."),
         ]
+    full = report.get("full_finetuning")
+    if full is not None:
+        if full["fitting"]:
+            best = full["best"]
+            text = f"{full['fitting']} layouts fit, the best {best['layout']} at {best['gib_per_rank']:.1f} GiB"
+        elif full.get("closest"):
+            closest = full["closest"]
+            text = f"nothing fits; closest {closest['layout']} needs {closest['gib_per_rank']:.1f} GiB"
+        else:
+            text = "no layout divides the job"
+        lines += ["", f"full fine-tuning of the same job (model.lora.rank=0) on these ranks: {text}"]
     lines += ["", "every term of one layout: --explain LAYOUT; the model and its assumptions: docs/planning.md"]
     return "\n".join(lines)
 
