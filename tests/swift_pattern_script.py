@@ -4,10 +4,11 @@ own `get_rope_index`, and a forward pre-hook registered on the model before `ini
 model's own `embed_tokens`, runs its own vision tower on the images, scatters their features into the embeddings and
 calls the forward with `inputs_embeds` (no input_ids, no pixel values), the positions and the labels.
 
-`--zero 2|3`; `--lora`: the model is PEFT's LoRA of it (attention + routed experts, A and B random), the hook on the
-PEFT model as ms-swift registers it; else full fine-tuning. `--ep`: expert_parallel.autoep_size 2 (the real
-DeepSpeed's AutoEP trains the bare model with EP, skips a PEFT model). 4 steps of our synthetic image samples in
-order, micro batch 2 per rank. Rank 0 writes --out/result.json: the per-step losses (mean over the ranks).
+`--runs` in one launch, each `<full|lora>_zero<2|3>[_ep]`: full fine-tuning or PEFT's LoRA of the model (attention +
+routed experts, A and B random; the hook on the PEFT model, as ms-swift registers it), the ZeRO stage, and with `_ep`
+expert_parallel.autoep_size 2 (the real DeepSpeed's AutoEP skips a PEFT model). 4 steps of our synthetic image samples
+in order, micro batch 2 per rank. Rank 0 writes --out/result.json: per run the per-step losses (mean over the ranks)
+and the plans applied.
 """
 
 from __future__ import annotations
@@ -80,19 +81,12 @@ def batches(engine, base: torch.nn.Module):
         yield batch
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hf_dir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--zero", type=int, default=3)
-    parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--ep", action="store_true")
-    parser.add_argument("--local_rank", type=int, default=-1)
-    args = parser.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
+def train(args: argparse.Namespace, run: str) -> dict:
+    """One run, named `<full|lora>_zero<N>[_ep]`: a fresh model, the hook, initialize, STEPS steps."""
+    kind, zero, *ep = run.split("_")
     model = Glm4vMoeForConditionalGeneration.from_pretrained(args.hf_dir, dtype=torch.float32)
     base = model
-    if args.lora:
+    if kind == "lora":
         torch.manual_seed(7)
         config = LoraConfig(
             r=4,
@@ -107,7 +101,7 @@ def main() -> None:
     # without calling that module, which DeepSpeed's ZeRO 3 gathers only inside the model's own forward
     deepspeed.utils.set_z3_leaf_modules(base, [type(base.model.visual)])
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config(args.zero, args.ep)
+        model=model, model_parameters=model.parameters(), config=ds_config(int(zero.removeprefix("zero")), bool(ep))
     )
     losses = []
     loader = batches(engine, base)
@@ -118,8 +112,20 @@ def main() -> None:
         mean = loss.detach().clone().double()
         deepspeed.comm.all_reduce(mean)
         losses.append(mean.item() / deepspeed.comm.get_world_size())
+    engine.destroy()
+    return {"losses": losses, "plans": dict(getattr(base, "applied_plans", {}))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf_dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", required=True, help="comma-separated, e.g. full_zero3_ep,lora_zero3_ep,full_zero2")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    result = {run: train(args, run) for run in args.runs.split(",")}
     if deepspeed.comm.get_rank() == 0:
-        result = {"losses": losses, "plans": dict(getattr(base, "applied_plans", {}))}
         with open(os.path.join(args.out, "result.json"), "w") as handle:
             json.dump(result, handle)
     deepspeed.comm.barrier()
