@@ -17,7 +17,7 @@ import sys
 
 import torch
 from accelerate import PartialState
-from glm_door_hf_common import StepLosses, collate
+from glm_door_hf_common import StepLosses, collate, make_ds_config
 from peft import LoraConfig, get_peft_model
 from transformers import Glm4vMoeForConditionalGeneration, Trainer, TrainingArguments
 
@@ -31,19 +31,8 @@ parser.add_argument("--trainer", choices=("hf", "trl"), required=True)
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 
-DS_CONFIG = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "train_batch_size": "auto",
-    "gradient_clipping": "auto",
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {
-        "type": "WarmupLR",
-        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
-    },
-    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
-    "expert_parallel": {"enabled": True, "autoep_size": 2},
-}
+# the GLM door tests' "auto" ds_config (ZeRO 3) with expert parallelism and without the extension section
+DS_CONFIG = {**make_ds_config(features=False), "expert_parallel": {"enabled": True, "autoep_size": 2}}
 ARGUMENTS = {
     "per_device_train_batch_size": 1,
     "gradient_accumulation_steps": 2,
