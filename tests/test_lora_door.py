@@ -205,3 +205,64 @@ def test_hf_trainer_and_trl_with_peft_equal_deepspeed(trainer_pair, base_and_ada
     assert mine.keys() == reference.keys()
     for key in reference:
         torch.testing.assert_close(mine[key], reference[key], rtol=1e-4, atol=1e-6)
+
+
+def _tiny_peft(**lora) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = Glm4vMoeForConditionalGeneration(load_hf_config(ModelConfig()))
+    return get_peft_model(model, LoraConfig(**{"r": 4, "lora_alpha": 8, **lora}))
+
+
+def test_take_adapters_reads_each_layer_as_peft_built_it():
+    """Each layer's own rank and scaling (rank_pattern, rsLoRA), the experts' stacks in our layout, requires_grad by
+    name, and PEFT's keys <-> ours both ways; the base is transformers' model again."""
+    from peft.tuners.lora import LoraLayer
+
+    from glm45v_fsdp.lora.peft_format import to_peft
+    from glm45v_fsdp.lora.peft_model import take_adapters
+
+    model = _tiny_peft(
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj"],
+        rank_pattern={"layers.0.self_attn.q_proj": 8},
+        use_rslora=True,
+    )
+    before = dict(model.state_dict())
+    taken = take_adapters(model)
+    base = model.get_base_model()
+    assert not any(isinstance(module, LoraLayer) for module in base.modules())
+    q0 = "model.language_model.layers.0.self_attn.q_proj"
+    assert taken.spec.linear[q0].rank == 8 and taken.spec.linear[q0].alpha / 8 == pytest.approx(8 / 8**0.5)
+    assert taken.spec.linear["model.language_model.layers.1.self_attn.v_proj"].rank == 4
+    assert set(taken.spec.experts) == {f"model.language_model.layers.{i}.mlp.experts" for i in (1, 2, 3)}
+    assert all(set(stacks) == {"gate_up_proj"} for stacks in taken.spec.experts.values())
+    stack = "model.language_model.layers.1.mlp.experts.gate_up_proj_lora_A"
+    assert taken.our_value(stack, taken.parameters[stack].detach()).shape == (8, 4, 64)
+    assert taken.spec.trained == frozenset(taken.parameters)  # PEFT froze the base
+    names = taken.names
+    for key, value in model.state_dict().items():  # the base's tensors, now under our names
+        assert torch.equal(before[names.ours_to_peft.get(key, key)], value)
+    shell = "base_model.model." + stack
+    peft_key = names.ours_to_peft[shell]
+    assert peft_key.endswith("experts.lora_A.default.weight")
+    round_trip = {peft_key: before[peft_key]}
+    names.from_peft(round_trip)
+    assert torch.equal(to_peft(stack, round_trip[shell]), before[peft_key])
+
+
+@pytest.mark.parametrize(
+    "lora, words",
+    [
+        ({"target_modules": ["q_proj"], "use_dora": True}, "use_dora"),
+        ({"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"target_modules": ["embed_tokens"]}, "Embedding"),
+    ],
+)
+def test_take_adapters_refuses_what_the_lora_plan_does_not_compute(lora, words):
+    from glm45v_fsdp.errors import UserError
+    from glm45v_fsdp.lora.peft_model import take_adapters
+
+    with pytest.raises(UserError, match=words):
+        take_adapters(_tiny_peft(**lora))

@@ -124,37 +124,35 @@ def take_adapters(model: nn.Module) -> PeftAdapters:
             continue  # a ParamWrapper nested in another: taken with the outermost
         inner = base.get_submodule(name)
         while isinstance(inner, LoraLayer):
-            _check_layer(name, inner, adapter)
-            a, b = inner.lora_A[adapter].weight, inner.lora_B[adapter].weight
-            rank = inner.r[adapter]  # alpha as our layers take it: scaling * r (rsLoRA's alpha / sqrt(r) too)
-            settings = LinearAdapter(rank, inner.scaling[adapter] * rank, _dropout(inner, adapter))
-            if isinstance(inner, ParamWrapper):
-                stack = inner.parameter_name
-                experts.setdefault(name, {})[stack] = settings
-                for factor, tensor in (("A", a), ("B", b)):
-                    ours = f"{name}.{stack}_lora_{factor}"
-                    parameters[ours], stack_experts[ours] = tensor, inner.num_experts
-            elif isinstance(inner, PeftLinear) and type(inner.base_layer) is nn.Linear:
-                linear[name] = settings
-                parameters[f"{name}.lora_A"], parameters[f"{name}.lora_B"] = a, b
-            else:
+            stack = inner.parameter_name if isinstance(inner, ParamWrapper) else None
+            if stack is None and not (isinstance(inner, PeftLinear) and type(inner.base_layer) is nn.Linear):
                 raise UserError(
                     f"The PEFT model passed to deepspeed.initialize adapts '{name}' with a {type(inner).__name__} "
                     f"over a {type(inner.base_layer).__name__}: this backend runs LoRA on nn.Linear layers and on the "
                     f"routed experts' stacks (target_parameters) only. Leave '{name.rpartition('.')[2]}' out of "
                     f"target_modules."
                 )
+            if stack is not None and stack not in EXPERT_STACKS:
+                raise UserError(
+                    f"The PEFT model's target_parameters adapt '{name}.{stack}': the routed experts' adapters here "
+                    f"are on {' and '.join(EXPERT_STACKS)}. Target those stacks."
+                )
+            _check_layer(name, inner, adapter)
+            a, b = inner.lora_A[adapter].weight, inner.lora_B[adapter].weight
+            rank = inner.r[adapter]  # alpha as our layers take it: scaling * r (rsLoRA's alpha / sqrt(r) too)
+            settings = LinearAdapter(rank, inner.scaling[adapter] * rank, _dropout(inner, adapter))
+            if stack is not None:
+                experts.setdefault(name, {})[stack] = settings
+                for factor, tensor in (("A", a), ("B", b)):
+                    ours = f"{name}.{stack}_lora_{factor}"
+                    parameters[ours], stack_experts[ours] = tensor, inner.num_experts
+            else:
+                linear[name] = settings
+                parameters[f"{name}.lora_A"], parameters[f"{name}.lora_B"] = a, b
             inner = inner.base_layer
         parent, _, attribute = name.rpartition(".")
         setattr(base.get_submodule(parent), attribute, inner)
 
-    for name, stacks in experts.items():
-        unknown = sorted(set(stacks) - set(EXPERT_STACKS))
-        if unknown:
-            raise UserError(
-                f"The PEFT model's target_parameters adapt '{name}.{unknown[0]}': the routed experts' adapters here "
-                f"are on {' and '.join(EXPERT_STACKS)}. Target those stacks."
-            )
     ours_to_peft: dict[str, str] = {}
     for ours, tensor in [*base.named_parameters(), *base.named_buffers()]:
         if id(tensor) in peft_names:
