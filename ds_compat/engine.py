@@ -66,8 +66,7 @@ from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE
 from glm45v_fsdp.config import Config, to_dict
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger, setup_logging
-from glm45v_fsdp.lora.peft_model import PeftAdapters, PeftNames, is_peft_model, take_adapters
-from glm45v_fsdp.lora.peft_model import save_pretrained as peft_save_pretrained
+from glm45v_fsdp.lora.peft_model import PeftAdapters, is_peft_model, keep_peft_names, peft_names_of, take_adapters
 from glm45v_fsdp.optim import RecipeSchedule, build_scheduler
 from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, compute_precision
 from glm45v_fsdp.plans import moe_layer_names
@@ -182,27 +181,6 @@ def _fill_from_partitions(model: nn.Module, partitioned: dict[str, nn.Parameter]
 
 SHARDED_AS = "_ds_compat_sharded_as"  # module attribute: how an engine sharded it, so a later engine can reuse it
 WHOLE_STATE_DICT = "_ds_compat_whole_state_dict"  # module flag: state_dict() / load_state_dict() with full tensors
-PEFT_NAMES = "_ds_compat_peft_names"  # module attribute of a PEFT model: its PeftNames (state dicts in PEFT's keys)
-OWN_NAMES = "_ds_compat_own_names"  # module flag: the engine's own checkpoint code reads our names
-
-
-def _peft_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """A PEFT model's state dict in PEFT's keys and layouts (`save_pretrained`, `get_peft_model_state_dict`)."""
-    names: PeftNames | None = getattr(module, PEFT_NAMES, None)
-    if names is None or getattr(module, OWN_NAMES, False):
-        return
-    mine = {key[len(prefix) :]: state_dict.pop(key) for key in [key for key in state_dict if key.startswith(prefix)]}
-    state_dict.update({prefix + key: value for key, value in names.to_peft(mine).items()})
-
-
-def _peft_load_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
-    """The other way: PEFT's keys given to `load_state_dict` (`set_peft_model_state_dict`) become ours."""
-    names: PeftNames | None = getattr(module, PEFT_NAMES, None)
-    if names is None or getattr(module, OWN_NAMES, False):
-        return
-    mine = {key[len(prefix) :]: state_dict.pop(key) for key in [key for key in state_dict if key.startswith(prefix)]}
-    names.from_peft(mine)
-    state_dict.update({prefix + key: value for key, value in mine.items()})
 
 
 def _whole_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -519,11 +497,7 @@ class DeepSpeedEngine(nn.Module):
             glm, self._config, self.dims, self.meshes, self.device_layer, self.device, weights, spec, self.own_units
         )
         if self.peft is not None:
-            setattr(model, PEFT_NAMES, self.peft.names)
-            # PEFT's own save_pretrained finds the adapters by visiting its LoRA layers, which the lora plan replaced
-            model.save_pretrained = functools.partial(peft_save_pretrained, model, self.peft.names)
-            model.register_state_dict_post_hook(_peft_state_dict_hook)
-            model.register_load_state_dict_pre_hook(_peft_load_state_dict_hook)
+            keep_peft_names(model, self.peft.names)
             self.log.info(
                 "ds_compat: the lora plan built the %s; the %s keeps PEFT's parameter names in its state dicts",
                 self.peft.describe(),
@@ -907,12 +881,15 @@ class DeepSpeedEngine(nn.Module):
         """The engine's own checkpoint code wants FSDP2's sharded state dicts, whatever the ZeRO stage."""
         whole = getattr(self.module, WHOLE_STATE_DICT, False)
         setattr(self.module, WHOLE_STATE_DICT, False)
-        setattr(self.module, OWN_NAMES, True)
+        names = peft_names_of(self.module)  # a PEFT model's state dicts in our names meanwhile
+        if names is not None:
+            names.active = False
         try:
             yield
         finally:
             setattr(self.module, WHOLE_STATE_DICT, whole)
-            setattr(self.module, OWN_NAMES, False)
+            if names is not None:
+                names.active = True
 
     def _plain_engine_state(self, client_state: dict) -> bytes:
         """engine_state.pt's bytes; a client_state that would not load weights-only (it names a class or function
@@ -1049,7 +1026,7 @@ class DeepSpeedEngine(nn.Module):
         if exclude_frozen_parameters:
             frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
             state = {key: value for key, value in state.items() if key not in frozen}
-        names: PeftNames | None = getattr(self.module, PEFT_NAMES, None)
+        names = peft_names_of(self.module)
         if names is not None:  # a PEFT model's, in PEFT's keys (save_pretrained filters its adapters from them)
             state = names.to_peft(state)
         if self.global_rank != 0:

@@ -13,6 +13,7 @@ PEFT's keys. Only what is imported here is PEFT's: nothing of it runs in trainin
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ class PeftNames:
         self.peft_to_ours = {peft: ours for ours, peft in ours_to_peft.items()}
         self.stack_experts = stack_experts  # by our key
         self.adapter_keys = adapter_keys  # PEFT's keys of the adapters' factors
+        self.active = True  # False: the model's state dicts in our names (the engine's own checkpoint code)
 
     def ours(self, peft_key: str) -> str:
         return self.peft_to_ours.get(peft_key, peft_key)
@@ -92,6 +94,36 @@ class PeftNames:
             if ours in self.stack_experts and torch.is_tensor(value):
                 value = from_peft(ours, value, self.stack_experts[ours])
             state[ours] = value
+
+
+NAMES_ATTRIBUTE = "_glm45v_peft_names"
+
+
+def keep_peft_names(model: nn.Module, names: PeftNames) -> None:
+    """The PEFT model `model`, whose base the plans rebuilt, keeps PEFT's view of itself: `state_dict()` and
+    `load_state_dict()` in PEFT's keys and layouts (while `names.active`), and a `save_pretrained` that writes PEFT's
+    files (PEFT's own finds the adapters by visiting its LoRA layers, which are gone)."""
+    setattr(model, NAMES_ATTRIBUTE, names)
+    model.register_state_dict_post_hook(functools.partial(_to_peft_hook, names))
+    model.register_load_state_dict_pre_hook(functools.partial(_from_peft_hook, names))
+    model.save_pretrained = functools.partial(save_pretrained, model, names)
+
+
+def peft_names_of(model: nn.Module) -> PeftNames | None:
+    return getattr(model, NAMES_ATTRIBUTE, None)
+
+
+def _to_peft_hook(names: PeftNames, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    if names.active:
+        ours = {key[len(prefix) :]: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(prefix)]}
+        state_dict.update({prefix + key: value for key, value in names.to_peft(ours).items()})
+
+
+def _from_peft_hook(names: PeftNames, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    if names.active:
+        given = {key[len(prefix) :]: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(prefix)]}
+        names.from_peft(given)
+        state_dict.update({prefix + key: value for key, value in given.items()})
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
