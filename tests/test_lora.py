@@ -305,6 +305,7 @@ def test_plan_reports_lora_beside_full_finetuning(capsys):
     from glm45v_fsdp.tools.plan import main
 
     job = ["--config", "glm45v_106b_sft", "--device", "910b", "--nodes", "1", "--tokens", "8192", "--top", "3"]
+    job += ["--unit-mib", "default"]  # one FSDP unit size: half the search, the same verdicts
     lora = ["model.lora.rank=8", "model.lora.alpha=16", "model.lora.experts=true"]
     assert main([*job, "--json", *lora]) == 0
     report = json.loads(capsys.readouterr().out)
