@@ -84,8 +84,10 @@ def build(hf_dir: str, config: dict):
     return model, engine
 
 
-def batches(engine, start_step: int):
-    config = load_config(None, ["data.shuffle=false"])
+def batches(engine, start_step: int, overrides: tuple[str, ...] = (), keys: tuple[str, ...] = HF_KEYS):
+    """This rank's batches from step `start_step` on, as our trainer's unshuffled sampler makes them (`overrides`:
+    more data keys; `keys`: what the batches hold)."""
+    config = load_config(None, ["data.shuffle=false", *overrides])
     data = build_training_data(config, engine.module.config)
     sampler = GlobalBatchSampler(
         dataset_size=len(data.dataset),
@@ -99,7 +101,7 @@ def batches(engine, start_step: int):
     )
     loader = build_dataloader(data.dataset, sampler, data.tokenizer.pad_token_id, packing=False, num_workers=0)
     for batch in loader:
-        yield {key: batch[key] for key in HF_KEYS if key in batch}
+        yield {key: batch[key] for key in keys if key in batch}
 
 
 def groups_seen(engine) -> dict:

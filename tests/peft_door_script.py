@@ -22,11 +22,8 @@ import time
 
 import deepspeed
 import torch
+from glm_door_script import batches as glm_batches
 from peft_common import load_peft
-
-from glm45v_fsdp.builders import build_training_data
-from glm45v_fsdp.config import load_config
-from glm45v_fsdp.data import GlobalBatchSampler, build_dataloader
 
 HF_KEYS = ("input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 LR = 1e-3
@@ -60,25 +57,9 @@ def build(args, config: dict):
 
 
 def batches(engine, start_step: int):
-    config = load_config(None, ["data.shuffle=false", "data.synthetic_video_every=0"])
-    data = build_training_data(config, engine.module.config)
-    sampler = GlobalBatchSampler(
-        dataset_size=len(data.dataset),
-        micro_batch_size=engine.train_micro_batch_size_per_gpu(),
-        gradient_accumulation_steps=1,
-        dp_rank=engine.get_data_parallel_rank() if hasattr(engine, "get_data_parallel_rank") else dp_rank(engine),
-        dp_size=engine.dp_world_size,
-        seed=config.training.seed,
-        shuffle=False,
-        start_step=start_step,
-    )
-    loader = build_dataloader(data.dataset, sampler, data.tokenizer.pad_token_id, packing=False, num_workers=0)
-    for batch in loader:
-        yield {key: batch[key] for key in HF_KEYS if key in batch}
-
-
-def dp_rank(engine) -> int:
-    return deepspeed.comm.get_rank() // (deepspeed.comm.get_world_size() // engine.dp_world_size)
+    """The GLM door script's batches, images only: PEFT on transformers is the reference, whose forward cannot take
+    images and videos in one batch."""
+    return glm_batches(engine, start_step, ("data.synthetic_video_every=0",), HF_KEYS)
 
 
 def mean_over_ranks(value: float) -> float:
