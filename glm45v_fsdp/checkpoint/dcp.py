@@ -315,11 +315,8 @@ def load_checkpoint(
     difference (for the log).
     """
     source = advice.source.format(path=checkpoint)
-    model_state = get_model_state_dict(model)
-    trainable_only = holds_trainable_only(checkpoint)
-    if trainable_only:  # a LoRA run's: the frozen base came from its reference (the weights plan loaded it)
-        trainable = trainable_names(model)
-        model_state = {key: value for key, value in model_state.items() if key in trainable}
+    trainable_only = holds_trainable_only(checkpoint)  # a LoRA run's: the weights plan loaded the base it refers to
+    model_state = _model_state(model, trainable_only)
     expected = {key: tuple(value.shape) for key, value in model_state.items()}
     found = _checkpoint_shapes(checkpoint)
     diff = compare_keys(expected, found)
@@ -372,18 +369,19 @@ def model_and_optimizer_state(
 ) -> dict[str, Any]:
     """What a DCP checkpoint holds: {"model": FQN state dict, "optim": FQN optimizer state} (sharded, collective);
     `trainable_only`: the model's trainable parameters only (a LoRA run's, whose base is a reference)."""
-    model_state = get_model_state_dict(model)
-    if trainable_only:
-        trainable = trainable_names(model)
-        model_state = {key: value for key, value in model_state.items() if key in trainable}
-    state: dict[str, Any] = {MODEL_KEY: model_state}
+    state: dict[str, Any] = {MODEL_KEY: _model_state(model, trainable_only)}
     if optimizer is not None:
         state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
     return state
 
 
-def trainable_names(model: nn.Module) -> set[str]:
-    return {name for name, param in model.named_parameters() if param.requires_grad}
+def _model_state(model: nn.Module, trainable_only: bool) -> dict[str, Any]:
+    """The model's FQN state dict (sharded), or its trainable parameters' only."""
+    state = get_model_state_dict(model)
+    if not trainable_only:
+        return state
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    return {key: value for key, value in state.items() if key in trainable}
 
 
 def save_model_and_optimizer(checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

@@ -50,12 +50,11 @@ class PeftAdapters:
 
     spec: AdapterSpec
     parameters: dict[str, nn.Parameter]  # our adapter name (in the base model) -> PEFT's parameter (its layout)
-    stack_experts: dict[str, int]  # our adapter name of an experts stack's factor -> its experts (layout conversion)
     names: PeftNames
 
     def our_value(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """PEFT's full tensor of adapter `name` in our layout."""
-        return from_peft(name, tensor, self.stack_experts.get(name, 0))
+        return from_peft(name, tensor, self.names.stack_experts.get(SHELL_PREFIX + name, 0))
 
     def describe(self) -> str:
         return f"PEFT LoRA adapter '{self.names.adapter}' on {self.spec.counts()}"
@@ -200,7 +199,6 @@ def take_adapters(model: nn.Module) -> PeftAdapters:
     return PeftAdapters(
         AdapterSpec(linear, experts, trained=trained),
         parameters,
-        stack_experts,
         PeftNames(adapter, ours_to_peft, shell_stacks, adapter_keys),
     )
 

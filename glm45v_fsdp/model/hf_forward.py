@@ -107,9 +107,7 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
                 inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state
             targets = shift_labels if shift_labels is not None else shifted(labels)
-            loss_sum, count, logits = lm_loss_sum_and_logits(hidden, self.lm_head, targets)
-            divisor = count if num_items_in_batch is None else num_items_in_batch
-            return CausalLMOutput(loss=loss_sum / _on(divisor, loss_sum), logits=logits)
+            return _output(*lm_loss_sum_and_logits(hidden, self.lm_head, targets), num_items_in_batch)
         if input_ids is None:
             raise UserError("The GLM-4.5V training forward needs input_ids (the model was called without them).")
         batch = {
@@ -144,12 +142,20 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
             if layout.size > 1:
                 loss_sum = _whole_sequence_value(loss_sum, layout)
                 logits = None
-        divisor = count if num_items_in_batch is None else num_items_in_batch
-        return CausalLMOutput(loss=loss_sum / _on(divisor, loss_sum), logits=logits)
+        return _output(loss_sum, count, logits, num_items_in_batch)
 
 
-def _on(divisor: torch.Tensor | int, loss_sum: torch.Tensor) -> torch.Tensor | int:
-    return divisor.to(loss_sum.device) if torch.is_tensor(divisor) else divisor
+def _output(
+    loss_sum: torch.Tensor,
+    count: torch.Tensor,
+    logits: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | int | None,
+) -> CausalLMOutput:
+    """transformers' loss: the CE sum over the supervised tokens, or over `num_items_in_batch` when given."""
+    divisor = count if num_items_in_batch is None else num_items_in_batch
+    if torch.is_tensor(divisor):
+        divisor = divisor.to(loss_sum.device)
+    return CausalLMOutput(loss=loss_sum / divisor, logits=logits)
 
 
 def _check_embedded(
