@@ -15,6 +15,13 @@ from torch.utils.data import Dataset
 
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.data import GlobalBatchSampler, build_dataloader, build_dataset, load_image_processor, load_tokenizer
+from glm45v_fsdp.data.mixture import (
+    MixtureDataset,
+    MixtureSampler,
+    build_mixture_dataset,
+    refuse_dropped_mixture,
+    resume_stream,
+)
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.lora.apply import AdapterSpec
 from glm45v_fsdp.model import build_meta_model, describe_model, load_hf_config
@@ -131,26 +138,36 @@ class TrainingData:
 
 
 def build_training_data(config: Config, hf_config: object) -> TrainingData:
-    """Tokenizer, image processor and the data set of data.dataset, every record checked; logs what data is used."""
+    """Tokenizer, image processor and the data set of data.dataset (or the sources of data.mixture), every record
+    checked; logs what data is used."""
     tokenizer = load_tokenizer(config.model.name_or_path)
     image_processor = load_image_processor(config.model.name_or_path, hf_config.vision_config)
-    dataset = build_dataset(config.data, hf_config, tokenizer, image_processor)
+    build = build_dataset if config.data.mixture is None else build_mixture_dataset
+    dataset = build(config.data, hf_config, tokenizer, image_processor)
     get_logger().info("data: %s", dataset.summary())
     return TrainingData(dataset, tokenizer, image_processor)
 
 
-def build_loader(config: Config, runtime: Runtime, data: TrainingData, start_step: int = 0):
-    """This rank's loader of micro batches (in training order) over `data.dataset`."""
-    sampler = GlobalBatchSampler(
-        dataset_size=len(data.dataset),
-        micro_batch_size=config.training.micro_batch_size,
-        gradient_accumulation_steps=config.training.gradient_accumulation_steps,
+def build_loader(
+    config: Config, runtime: Runtime, data: TrainingData, start_step: int = 0, saved_state: dict | None = None
+):
+    """This rank's loader of micro batches (in training order) over `data.dataset`. `saved_state`: the trainer state
+    of the checkpoint the run resumes (None: a fresh run), whose mixture record a mixture resumes from and checks."""
+    training = config.training
+    split = dict(
+        micro_batch_size=training.micro_batch_size,
+        gradient_accumulation_steps=training.gradient_accumulation_steps,
         dp_rank=runtime.dp_rank,
         dp_size=runtime.dp_size,
-        seed=config.training.seed,
-        shuffle=config.data.shuffle,
         start_step=start_step,
     )
+    if isinstance(data.dataset, MixtureDataset):
+        global_batch = training.micro_batch_size * training.gradient_accumulation_steps * runtime.dp_size
+        stream = resume_stream(data.dataset, config, saved_state, start_step * global_batch)
+        sampler = MixtureSampler(stream, **split)
+    else:
+        refuse_dropped_mixture(saved_state, config.data)
+        sampler = GlobalBatchSampler(len(data.dataset), seed=training.seed, shuffle=config.data.shuffle, **split)
     return build_dataloader(
         data.dataset,
         sampler,

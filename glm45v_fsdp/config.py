@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -76,6 +77,22 @@ class ModelConfig:
 
 
 @dataclass
+class MixtureSourceConfig:
+    """One source of data.mixture (docs/data.md#mixtures)."""
+
+    # The source's format, as data.dataset: synthetic (data.synthetic_* keys), json or hf (data.image_root and
+    # data.hf_split apply to every file source).
+    dataset: Literal["synthetic", "json", "hf"] = "synthetic"
+    data_path: str | None = None
+    # Share of the sample stream; the weights are normalised over the list (3 and 1: 75% / 25%).
+    weight: float = 1.0
+    # Use only the source's first max_samples samples (after bad records are dropped); null: all of them.
+    max_samples: int | None = None
+    # The name in the metrics (data/<name>/...) and the checkpoint; null: "synthetic" or the file's stem.
+    name: str | None = None
+
+
+@dataclass
 class DataConfig:
     dataset: Literal["synthetic", "json", "hf"] = "synthetic"
     # dataset=json: a LLaVA / ShareGPT-style .json or .jsonl file. dataset=hf: a local Hugging Face `datasets` data set
@@ -115,6 +132,12 @@ class DataConfig:
     # The largest image decoded at all (width x height, after JPEG's reduced-scale decoding); every image is then
     # downscaled to the image processor's pixel budget. Larger images are bad records. Default: PIL's bomb limit.
     max_image_pixels: int = 89_478_485
+    # Weighted sources ({dataset, data_path, weight, max_samples, name} each) instead of data.dataset /
+    # data.data_path; docs/data.md#mixtures. null: data.dataset alone.
+    mixture: list[MixtureSourceConfig] | None = None
+    # Resume a checkpoint whose mixture differs from data.mixture (sources matched by name continue where they
+    # were; the blend restarts with the new weights). false: a changed mixture stops the resume.
+    mixture_allow_change: bool = False
 
 
 @dataclass
@@ -406,6 +429,10 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping {" + ", ".join(f.name for f in dataclasses.fields(tp)) + "}"
+    if origin is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        return "a list of mappings {" + ", ".join(f.name for f in dataclasses.fields(typing.get_args(tp)[0])) + "}"
     if origin is not None:
         return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", str(tp))
@@ -421,7 +448,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             try:
                 return _coerce(value, option, path)
             except ConfigError:
-                continue
+                if isinstance(value, list) and typing.get_origin(option) is list:
+                    raise  # a list's own error names the bad item (data.mixture[1].weight)
         raise _type_error(value, tp, path)
     if tp is type(None):
         if value is None:
@@ -438,6 +466,13 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, list):
             raise _type_error(value, tp, path)
         (item_type,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(item_type):  # a list of sections (data.mixture)
+            for i, item in enumerate(value):
+                if not isinstance(item, dict):
+                    raise ConfigError(
+                        f"Config key '{path}[{i}]' = {item!r} is not a mapping: each item is {_type_name(item_type)}."
+                    )
+            return [_build(item_type, item, f"{path}[{i}].") for i, item in enumerate(value)]
         return [_coerce(item, item_type, f"{path}[{i}]") for i, item in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -667,6 +702,90 @@ def _validate_lora(config: Config) -> None:
         )
 
 
+MIXTURE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def mixture_names(sources: list[MixtureSourceConfig]) -> list[str]:
+    """Each source's name: its `name`, else "synthetic" or its file's stem (characters other than letters, digits,
+    _ . - become _); a derived name that several sources share gets the source's index appended (json_0, json_2)."""
+    derived = []
+    for source in sources:
+        stem = "synthetic" if source.data_path is None else Path(source.data_path.rstrip("/")).stem
+        derived.append(re.sub(r"[^A-Za-z0-9_.-]", "_", stem) or "source")
+    names = []
+    for index, (source, name) in enumerate(zip(sources, derived)):
+        if source.name is not None:
+            names.append(source.name)
+        else:
+            names.append(name if derived.count(name) == 1 else f"{name}_{index}")
+    return names
+
+
+def _validate_mixture(d: DataConfig) -> None:
+    """data.mixture: a non-empty list of valid sources that replaces data.dataset / data.data_path."""
+    if not d.mixture:
+        raise ConfigError(
+            "Config key 'data.mixture' = [] is an empty list: a mixture needs at least one source. Give one "
+            "{dataset, data_path, weight, max_samples} mapping per source, or remove data.mixture to train on "
+            "data.dataset alone."
+        )
+    for key, default in (("dataset", "synthetic"), ("data_path", None)):
+        if getattr(d, key) != default:
+            raise ConfigError(
+                f"Config keys 'data.mixture' and 'data.{key}' = {getattr(d, key)!r} are both set: a mixture replaces "
+                f"data.dataset and data.data_path (each source names its own format and file). Move the data set into "
+                f"a data.mixture entry (e.g. {{dataset: json, data_path: train.jsonl, weight: 1}}), or remove "
+                f"data.mixture."
+            )
+    for index, source in enumerate(d.mixture):
+        key = f"data.mixture[{index}]"
+        _require(
+            math.isfinite(source.weight) and source.weight > 0,
+            f"{key}.weight",
+            source.weight,
+            "a finite number > 0 (the weights are normalised over the list: 3 and 1 train 75% / 25%)",
+        )
+        if source.max_samples is not None:
+            _require(source.max_samples >= 1, f"{key}.max_samples", source.max_samples, "an integer >= 1 or null")
+        if source.dataset == "synthetic" and source.data_path is not None:
+            raise ConfigError(
+                f"Config key '{key}.data_path' = {source.data_path!r} is set, but {key}.dataset is 'synthetic', "
+                f"which reads no file. Set {key}.dataset to json or hf, or remove {key}.data_path."
+            )
+        _require(
+            source.dataset == "synthetic" or source.data_path is not None,
+            f"{key}.data_path",
+            source.data_path,
+            f"set when {key}.dataset is '{source.dataset}' (the .json/.jsonl file, or the Hugging Face data set)",
+        )
+        if source.name is not None:
+            _require(
+                MIXTURE_NAME.fullmatch(source.name) is not None,
+                f"{key}.name",
+                source.name,
+                "letters, digits, _ . - starting with a letter or digit (it names the metrics data/<name>/...)",
+            )
+    names = mixture_names(d.mixture)
+    for index, name in enumerate(names):
+        if names.index(name) != index:
+            raise ConfigError(
+                f"Config keys 'data.mixture[{names.index(name)}]' and 'data.mixture[{index}]' have the same name "
+                f"{name!r}: each source needs its own (metrics, checkpoint positions). Set data.mixture[{index}].name "
+                f"to another name."
+            )
+    kinds = {source.dataset for source in d.mixture}
+    if d.image_root is not None and kinds == {"synthetic"}:
+        raise ConfigError(
+            f"Config key 'data.image_root' = {d.image_root!r} is set, but every data.mixture source is synthetic, "
+            f"which reads no file. Remove data.image_root."
+        )
+    if d.hf_split != "train" and "hf" not in kinds:
+        raise ConfigError(
+            f"Config key 'data.hf_split' = {d.hf_split!r} is set, but no data.mixture source has dataset hf, the only "
+            f"format with splits. Remove data.hf_split."
+        )
+
+
 def validate(config: Config) -> None:
     """Checks that need nothing but the config itself."""
     t, d, p = config.training, config.data, config.parallel
@@ -754,7 +873,9 @@ def validate(config: Config) -> None:
     _require(d.video_max_pixels >= 28 * 28, "data.video_max_pixels", d.video_max_pixels, ">= 784 (28 x 28) pixels")
     _require(d.video_max_seconds > 0, "data.video_max_seconds", d.video_max_seconds, "seconds > 0")
     _require(d.video_decode_timeout_s > 0, "data.video_decode_timeout_s", d.video_decode_timeout_s, "seconds > 0")
-    if d.dataset == "json":
+    if d.mixture is not None:
+        _validate_mixture(d)
+    elif d.dataset == "json":
         _require(d.data_path is not None, "data.data_path", d.data_path, "set when data.dataset is 'json'")
     elif d.dataset == "hf":
         _require(
@@ -773,7 +894,7 @@ def validate(config: Config) -> None:
                     f"data.{key}."
                 )
     _require(bool(d.hf_split.strip()), "data.hf_split", d.hf_split, "a split name, e.g. 'train'")
-    if d.dataset != "hf" and d.hf_split != "train":
+    if d.mixture is None and d.dataset != "hf" and d.hf_split != "train":
         raise ConfigError(
             f"Config key 'data.hf_split' = {d.hf_split!r} is set, but data.dataset is '{d.dataset}', which has no "
             f"splits: only data.dataset=hf reads one. Set data.dataset=hf, or remove data.hf_split."

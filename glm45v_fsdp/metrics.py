@@ -20,6 +20,7 @@ from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
 
 GIB = 1024**3
+TENSORBOARD_GROUPS = ("data/",)  # extra figures under these prefixes are TensorBoard scalars too (data.mixture's)
 
 
 @dataclass
@@ -198,6 +199,9 @@ class MetricsSink:
         if self._tb is not None:
             for key in ("loss", "grad_norm", "lr", "ms_per_iter", "samples_per_s", "tokens_per_s", "mem_peak_max_gib"):
                 self._tb.add_scalar(f"train/{key}", getattr(record, key), record.step)
+            for key, value in record.extra.items():
+                if key.startswith(TENSORBOARD_GROUPS):
+                    self._tb.add_scalar(key, value, record.step)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -68,13 +68,14 @@ def sample_vision(
     """The vision items of the largest sample.
 
     Defaults: the synthetic data's images, and its video when it has one (every data.synthetic_video_every-th
-    sample: the largest sample sets the peak); for JSON or HF data one image of the vision config's image_size and no
-    video. A video's frames (default: data.synthetic_video_frames, else data.video_max_frames) are square frames of
-    the image side, downscaled to data.video_max_pixels. Whatever does not fit data.cutoff_len is dropped, as the data
-    sets drop a block they would cut.
+    sample: the largest sample sets the peak); for JSON or HF data (a data.mixture with such a source too) one image
+    of the vision config's image_size and no video. A video's frames (default: data.synthetic_video_frames, else
+    data.video_max_frames) are square frames of the image side, downscaled to data.video_max_pixels. Whatever does
+    not fit data.cutoff_len is dropped, as the data sets drop a block they would cut.
     """
     data, vision = config.data, hf_config.vision_config
-    synthetic = data.dataset == "synthetic"
+    kinds = {data.dataset} if data.mixture is None else {source.dataset for source in data.mixture}
+    synthetic = kinds == {"synthetic"}
     images = data.synthetic_images_per_sample if synthetic and images_per_sample is None else images_per_sample
     images = 1 if images is None else images
     videos = videos_per_sample

@@ -147,14 +147,15 @@ def run(argv: list[str]) -> dict:
         model, hf_config = build_model(config, runtime, hf_config)
         training = config.training
         global_batch = training.micro_batch_size * training.gradient_accumulation_steps * runtime.dp_size
-        start_step, deepspeed_state = 0, None
+        start_step, deepspeed_state, saved_state = 0, None, None
         if resume is not None and resume.format == "dcp":
-            start_step = data_start_step(read_trainer_state(resume.path), global_batch)
+            saved_state = read_trainer_state(resume.path)
+            start_step = data_start_step(saved_state, global_batch)
         elif resume is not None:
             deepspeed_state = read_deepspeed(resume.path, with_optimizer=not training.no_load_optim)
-            samples = int(deepspeed_state.model_states.get("global_samples") or 0)
-            start_step = data_start_step({"consumed_samples": samples}, global_batch)
-        loader = build_loader(config, runtime, data, start_step=start_step)
+            saved_state = {"consumed_samples": int(deepspeed_state.model_states.get("global_samples") or 0)}
+            start_step = data_start_step(saved_state, global_batch)
+        loader = build_loader(config, runtime, data, start_step=start_step, saved_state=saved_state)
         recipe = ds_run.recipe if ds_run is not None else None
         if resume is not None and resume.format == "dcp" and holds_trainable_only(resume.path):
             lora_base = base_reference(read_base(resume.path))  # the base the resumed run trained on

@@ -22,6 +22,7 @@ from glm45v_fsdp.checkpoint.layout import describe_diff
 from glm45v_fsdp.checkpoint.state import capture_rng, read_trainer_state, restore_rng
 from glm45v_fsdp.config import Config, dump_yaml
 from glm45v_fsdp.data.dump import BatchDumper
+from glm45v_fsdp.data.mixture_metrics import MixtureFigures
 from glm45v_fsdp.errors import Preempted, TrainingStopped, UserError
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.lora.peft_format import save_adapter
@@ -152,6 +153,7 @@ class Trainer:
             runtime.dp_size,
         )
         self.offload = find_offload_runtime(model)  # activation offload's per-step figures (None when off)
+        self.mixture = MixtureFigures(loader, model, runtime)  # data.mixture's per-source figures (idle when off)
 
     # ----------------------------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -165,6 +167,7 @@ class Trainer:
             "world_size": self.runtime.env.world_size,
             "config": dump_yaml(self.config),
             "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "mixture": self.mixture.checkpoint(self.consumed_samples),
         }
 
     def resume_deepspeed(self, state: DeepSpeedState) -> None:
@@ -323,6 +326,7 @@ class Trainer:
                 ce_sum, valid = self.model(batch)
             if self.chunk_head is not None:
                 self.chunk_trace.append(self.chunk_head.last_choice)
+            self.mixture.add(micro_batches[index])
             scale = micro_loss_scale(training.loss_type, valid, global_valid_tensor, accumulation, self.runtime.dp_size)
             if self.fault is not None:  # GLM45V_FAULT=R:S:nan
                 scale = scale * self.fault.loss_factor(self.runtime.env.rank, self.step + 1)
@@ -440,6 +444,7 @@ class Trainer:
                 **self._loss_scale_metrics(),
                 **moe_load_figures(moe_counts),
                 **balance_metrics(self.moe_blocks, self.runtime.torch_device),
+                **self.mixture.take(),
             },
         )
         self.records.append(record)

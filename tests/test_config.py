@@ -209,3 +209,69 @@ def test_shipped_configs_are_reachable_by_name(tmp_path, monkeypatch):
         load_config("glm45v_107b")
     (tmp_path / "glm45v_106b_sft.yaml").write_text("training:\n  train_iters: 3\n")
     assert load_config("glm45v_106b_sft.yaml").model.preset == "tiny"  # a file of that name wins
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["data.mixture=[]"], "'data.mixture' = [] is an empty list: a mixture needs at least one source"),
+        (["data.mixture=[{weight: 1}, {weight: 0}]"], "'data.mixture[1].weight' = 0.0 is invalid: it must be a finite"),
+        (["data.mixture=[{weight: -2}]"], "'data.mixture[0].weight' = -2.0 is invalid"),
+        (["data.mixture=[{weight: .inf}]"], "'data.mixture[0].weight' = inf is invalid"),
+        (["data.mixture=[{weight: heavy}]"], "'data.mixture[0].weight' expects float, got 'heavy'"),
+        (["data.mixture=[{dataset: jsn, data_path: a.json}]"], "'data.mixture[0].dataset' = 'jsn' is not one of"),
+        (
+            ["data.mixture=[{weight: 1}, {dataset: json}]"],
+            "'data.mixture[1].data_path' = None is invalid: it must be set",
+        ),
+        (["data.mixture=[{data_path: a.json}]"], "data.mixture[0].dataset is 'synthetic', which reads no file"),
+        (
+            ["data.mixture=[{wieght: 2}]"],
+            "Unknown config key 'data.mixture[0].wieght'. Did you mean 'data.mixture[0].weight'",
+        ),
+        (
+            ["data.mixture=[{max_samples: 0}]"],
+            "'data.mixture[0].max_samples' = 0 is invalid: it must be an integer >= 1",
+        ),
+        (["data.mixture=[{name: a b}]"], "'data.mixture[0].name' = 'a b' is invalid: it must be letters, digits"),
+        (["data.mixture=[{name: x}, {name: x}]"], "'data.mixture[0]' and 'data.mixture[1]' have the same name 'x'"),
+        (["data.mixture=[3]"], "'data.mixture[0]' = 3 is not a mapping: each item is a mapping {dataset, data_path"),
+        (["data.mixture=all"], "'data.mixture' expects a list of mappings {dataset, data_path, weight, max_samples"),
+        (["data.mixture=[{}]", "data.data_path=a.json"], "'data.mixture' and 'data.data_path' = 'a.json' are both set"),
+        (["data.mixture=[{}]", "data.dataset=hf"], "'data.mixture' and 'data.dataset' = 'hf' are both set"),
+        (["data.mixture=[{}]", "data.hf_split=test"], "'data.hf_split' = 'test' is set, but no data.mixture source"),
+        (["data.mixture=[{}]", "data.image_root=img"], "'data.image_root' = 'img' is set, but every data.mixture"),
+    ],
+)
+def test_mixture_keys_are_validated(overrides, expected):
+    with pytest.raises(UserError) as info:
+        load_config(None, overrides)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_mixture_reads_the_same_from_yaml_and_overrides(tmp_path):
+    from glm45v_fsdp.config import mixture_names
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "data:\n  mixture:\n    - {dataset: json, data_path: /d/ocr.jsonl, weight: 3}\n"
+        "    - dataset: json\n      data_path: /e/ocr.jsonl\n      max_samples: 100\n    - {dataset: synthetic}\n"
+        "  mixture_allow_change: true\n"
+    )
+    from_file = load_config(path)
+    entries = "[{dataset: json, data_path: /d/ocr.jsonl, weight: 3}, {dataset: json, data_path: /e/ocr.jsonl, "
+    entries += "max_samples: 100}, {dataset: synthetic}]"
+    from_overrides = load_config(None, [f"data.mixture={entries}", "data.mixture_allow_change=on"])
+    assert from_file.data.mixture == from_overrides.data.mixture
+    assert from_file.data.mixture_allow_change is from_overrides.data.mixture_allow_change is True
+    assert [source.weight for source in from_file.data.mixture] == [3.0, 1.0, 1.0]
+    assert mixture_names(from_file.data.mixture) == ["ocr_0", "ocr_1", "synthetic"]
+    assert load_config(path, ["training.train_iters=3"]).data.mixture == from_file.data.mixture
+    again = yaml.safe_load(dump_yaml(from_file))
+    assert again["data"]["mixture"][1] == {
+        "dataset": "json",
+        "data_path": "/e/ocr.jsonl",
+        "weight": 1.0,
+        "max_samples": 100,
+        "name": None,
+    }

@@ -1,8 +1,9 @@
 """The non-tensor part of a DCP checkpoint: the trainer's state (written by rank 0) and every rank's RNG states.
 
 `trainer_state.pt` holds step, skipped steps, the LR scheduler's state, consumed samples, the global batch size,
-the world size and the resolved config YAML. `rng/rank{R}.pt` holds rank R's Python, NumPy, torch CPU and device
-generator states. Both are plain containers (lists, dicts, tensors), so they load with `weights_only=True`.
+the world size, the resolved config YAML and a data.mixture run's sources and positions (data/mixture.py).
+`rng/rank{R}.pt` holds rank R's Python, NumPy, torch CPU and device generator states. Both are plain containers
+(lists, dicts, tensors), so they load with `weights_only=True`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 
 from glm45v_fsdp.data.vocab import IGNORE_INDEX, supervised_token_count
 
-BATCH_METADATA_KEYS = ("num_valid_tokens", "num_samples", "num_tokens", "cu_seqlens")
+BATCH_METADATA_KEYS = ("num_valid_tokens", "num_samples", "num_tokens", "cu_seqlens", "source_ids", "sample_sources")
 
 
 def _add_vision(batch: dict[str, torch.Tensor], samples: list[dict]) -> None:
@@ -65,6 +65,18 @@ def _pack(samples: list[dict]) -> dict[str, torch.Tensor]:
     }
 
 
+def _add_sources(batch: dict[str, torch.Tensor], samples: list[dict], packing: bool) -> None:
+    """A mixture's samples (data/mixture.py): each sample's source, and each token's (-1 on padding)."""
+    sources = torch.tensor([s["source"] for s in samples])
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+    batch["sample_sources"] = sources
+    if packing:
+        batch["source_ids"] = sources.repeat_interleave(lengths)[None]
+    else:
+        positions = torch.arange(batch["input_ids"].shape[1])
+        batch["source_ids"] = torch.where(positions < lengths[:, None], sources[:, None], -1)
+
+
 def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> dict[str, torch.Tensor]:
     """One micro batch from data set samples.
 
@@ -73,10 +85,13 @@ def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> di
     attention_mask; position_ids [4, 1, T] = (per-sample text positions, t, h, w); the label of every sample's first
     token is -100; cu_seqlens int32 [n + 1]. Both: pixel_values / image_grid_thw and pixel_values_videos /
     video_grid_thw concatenated in sample order (absent without images, videos), num_valid_tokens (supervised labels
-    after the one-token shift), num_samples, num_tokens (non-pad).
+    after the one-token shift), num_samples, num_tokens (non-pad). Samples of a mixture (a "source" each) add
+    sample_sources [n] and source_ids (each token's source, -1 on padding; shaped like input_ids).
     """
     batch = _pack(samples) if packing else _pad(samples, pad_token_id)
     _add_vision(batch, samples)
+    if "source" in samples[0]:
+        _add_sources(batch, samples, packing)
     batch["num_valid_tokens"] = supervised_token_count(batch["labels"])
     batch["num_samples"] = torch.tensor(len(samples))
     return batch

@@ -28,12 +28,26 @@ FP32_BYTES = 4
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk: int,
+        row_losses: torch.Tensor | None,
+    ) -> torch.Tensor:
         with torch.autocast(device_type=hidden.device.type, enabled=False):  # fp32 logits whatever the context
-            return _ChunkedLinearCrossEntropy._forward(ctx, hidden, weight, labels, chunk)
+            return _ChunkedLinearCrossEntropy._forward(ctx, hidden, weight, labels, chunk, row_losses)
 
     @staticmethod
-    def _forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    def _forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk: int,
+        row_losses: torch.Tensor | None,
+    ) -> torch.Tensor:
         weight32 = weight.float()
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight32) if ctx.needs_input_grad[1] else None
@@ -44,7 +58,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = rows.float() @ weight32.T  # [c, V] fp32: the only large buffer
             lse = torch.logsumexp(logits, dim=-1)
             index = torch.arange(len(targets), device=hidden.device)
-            loss += (lse - logits[index, targets]).sum()
+            row_loss = lse - logits[index, targets]
+            loss += row_loss.sum()
+            if row_losses is not None:
+                row_losses[start : start + chunk] = row_loss
             probs = logits.sub_(lse[:, None]).exp_()  # softmax in place: d(sum CE)/d logits = softmax - one hot
             probs[index, targets] -= 1.0
             if grad_hidden is not None:
@@ -63,13 +80,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
-def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int):
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int,
+    row_losses: torch.Tensor | None = None,
+):
     """Sum of CE of `hidden @ weight.T` against `labels` (all supervised: no ignore_index here), `chunk` rows at a
-    time; same value as cross_entropy(linear(hidden, weight).float(), labels, reduction="sum")."""
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk)
+    time; same value as cross_entropy(linear(hidden, weight).float(), labels, reduction="sum"). `row_losses` (fp32,
+    one per row), when given, receives each row's CE (the terms of that sum)."""
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk, row_losses)
 
 
 @dataclass
@@ -101,12 +125,15 @@ class ChunkedLossHead(nn.Linear):
 
     Called as `lm_head(hidden, targets)` with per-position targets (already shifted: position t predicts
     targets[t]); `computes_loss` tells the model's loss to hand it the targets. `last_choice` holds the chunking of
-    the last call, for the step metrics.
+    the last call, for the step metrics; with `keep_row_losses`, `last_row_losses` holds its supervised rows' CE
+    (detached, in position order), for per-source figures (model/loss.py keep_token_losses).
     """
 
     computes_loss = True
     chunk_config: ChunkLossConfig
     last_choice: ChunkChoice | None
+    keep_row_losses = False
+    last_row_losses: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None):  # type: ignore[override]
         if targets is None:
@@ -116,9 +143,12 @@ class ChunkedLossHead(nn.Linear):
         targets = targets.reshape(-1)[supervised]
         choice = choose_chunk(self.chunk_config, rows.shape[0], self.weight.shape[0])
         self.last_choice = choice
+        row_losses = rows.new_zeros(choice.rows, dtype=torch.float32) if self.keep_row_losses else None
+        self.last_row_losses = row_losses
         if choice.rows == 0:  # still a (zero) weight gradient, so every rank reduce-scatters the same tensors
             return (hidden.sum() + self.weight.sum()) * 0.0, supervised.sum()
-        return chunked_linear_cross_entropy(rows, self.weight, targets, choice.chunk_size), supervised.sum()
+        loss = chunked_linear_cross_entropy(rows, self.weight, targets, choice.chunk_size, row_losses)
+        return loss, supervised.sum()
 
 
 def apply_chunk_loss(model: nn.Module, cfg: ChunkLossConfig) -> list[PlanMatch]:

@@ -196,7 +196,40 @@ def model_loss_sum_and_logits(
     else:
         targets = local_targets
     loss_sum, _, logits = lm_loss_sum_and_logits(hidden, model.lm_head, local_targets)
+    if getattr(model, "keeps_token_losses", False):
+        model.token_losses = token_losses(model.lm_head, logits, local_targets)
     return loss_sum, (targets != IGNORE_INDEX).sum(), logits
+
+
+TOKEN_LOSS_ROWS = 4096  # positions per log-sum-exp pass of `token_losses`: bounds its [rows, vocab] fp32 temporary
+
+
+def keep_token_losses(model: nn.Module) -> None:
+    """From now on the training forward also leaves the cross-entropy of each of this rank's positions in
+    `model.token_losses` (fp32, detached, 0 where unsupervised, shaped like this rank's shifted targets), for figures
+    that split the loss (per-source losses of a mixture). The loss itself is computed exactly as before."""
+    model.keeps_token_losses = True
+    if getattr(model.lm_head, "computes_loss", False):
+        model.lm_head.keep_row_losses = True
+
+
+@torch.no_grad()
+def token_losses(lm_head: nn.Module, logits: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:
+    """Each position's CE against `targets` (0 where IGNORE_INDEX): from the chunked loss's own row losses, or from
+    the fp32 logits (log-sum-exp minus the target's logit, TOKEN_LOSS_ROWS positions at a time)."""
+    supervised = targets != IGNORE_INDEX
+    if logits is None:
+        losses = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+        losses[supervised] = lm_head.last_row_losses
+        return losses
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    wanted = targets.to(flat.device).reshape(-1).clamp(min=0)
+    losses = torch.empty(wanted.shape[0], dtype=torch.float32, device=flat.device)
+    for start in range(0, wanted.shape[0], TOKEN_LOSS_ROWS):
+        rows = flat[start : start + TOKEN_LOSS_ROWS]
+        target_logits = rows.gather(1, wanted[start : start + TOKEN_LOSS_ROWS, None]).squeeze(1)
+        losses[start : start + TOKEN_LOSS_ROWS] = torch.logsumexp(rows, dim=-1) - target_logits
+    return losses.view(targets.shape).masked_fill_(~supervised.to(flat.device), 0.0)
 
 
 class Glm4vMoeForTraining(Glm4vMoeForConditionalGeneration):
@@ -207,6 +240,8 @@ class Glm4vMoeForTraining(Glm4vMoeForConditionalGeneration):
     """
 
     sequence_layout: WholeSequence = WholeSequence()
+    keeps_token_losses = False  # keep_token_losses() turns it on; the forward then sets token_losses
+    token_losses: torch.Tensor | None = None
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
