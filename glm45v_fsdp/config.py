@@ -115,6 +115,11 @@ class DataConfig:
     # The largest image decoded at all (width x height, after JPEG's reduced-scale decoding); every image is then
     # downscaled to the image processor's pixel budget. Larger images are bad records. Default: PIL's bomb limit.
     max_image_pixels: int = 89_478_485
+    # Validation data (docs/training.md#validation), one of two: a file or directory in data.dataset's format, read
+    # like data.data_path (data.image_root, data.hf_split, data.on_bad_record and cutoff_len apply to it too) ...
+    validation_path: str | None = None
+    # ... or this fraction of the training data, chosen with training.seed and held out (training excludes it); 0: none.
+    validation_split: float = 0.0
 
 
 @dataclass
@@ -303,6 +308,12 @@ class TrainingConfig:
     save_hf: str | None = None
     # Write the first N micro batches of each rank to <output_dir>/batches/rank{R}_micro{K}.pt.
     dump_batches: int = 0
+    # Validation (data.validation_path or data.validation_split): an eval every eval_interval steps and after the
+    # last step; 0 = after the last step only.
+    eval_interval: int = 0
+    # Global eval batches (micro_batch_size samples per data-parallel rank) per eval, from the validation set's
+    # start, the same ones every eval; 0 = the whole validation set.
+    eval_iters: int = 0
     # [first, last]: profile these steps with torch.profiler on every rank and write each rank's communication
     # figures to <output_dir>/profile/rank{R}.json (runtime/profiling.py); null = no profiler.
     profile_steps: list[int] | None = None
@@ -667,6 +678,41 @@ def _validate_lora(config: Config) -> None:
         )
 
 
+def _validate_eval(config: Config) -> None:
+    """The validation set (data.validation_path or data.validation_split) and the eval cadence that needs it."""
+    d, t = config.data, config.training
+    _require(
+        0 <= d.validation_split < 1,
+        "data.validation_split",
+        d.validation_split,
+        "a fraction in [0, 1) of the training data to hold out for validation (0: none), e.g. 0.05",
+    )
+    if d.validation_path is not None:
+        _require(bool(d.validation_path.strip()), "data.validation_path", d.validation_path, "a path or null")
+        if d.validation_split:
+            raise ConfigError(
+                f"Config keys 'data.validation_path' = {d.validation_path!r} and 'data.validation_split' = "
+                f"{d.validation_split} are both set, but the validation set comes from one of them. Remove "
+                f"data.validation_split to validate on the file, or data.validation_path to hold out that fraction "
+                f"of the training data."
+            )
+        if d.dataset == "synthetic":
+            raise ConfigError(
+                f"Config key 'data.validation_path' = {d.validation_path!r} is set, but data.dataset is 'synthetic', "
+                f"which reads no file. Hold out part of the synthetic data with data.validation_split (e.g. 0.05), "
+                f"or set data.dataset=json or hf with a validation file in that format."
+            )
+    for key in ("eval_interval", "eval_iters"):
+        value = getattr(t, key)
+        _require(value >= 0, f"training.{key}", value, "an integer >= 0")
+        if value and d.validation_path is None and not d.validation_split:
+            raise ConfigError(
+                f"Config key 'training.{key}' = {value} is set, but there is no validation data to evaluate on. "
+                f"Set data.validation_path (a file in data.dataset's format) or data.validation_split (a fraction "
+                f"of the training data to hold out), or remove training.{key}."
+            )
+
+
 def validate(config: Config) -> None:
     """Checks that need nothing but the config itself."""
     t, d, p = config.training, config.data, config.parallel
@@ -783,6 +829,7 @@ def validate(config: Config) -> None:
     _require(bool(p.ep_plan.apply_modules), "parallel.ep_plan.apply_modules", [], "a non-empty list of patterns")
     _require(config.model.router_skew >= 0, "model.router_skew", config.model.router_skew, ">= 0")
     _validate_lora(config)
+    _validate_eval(config)
     balance = config.features.ep_balance
     if balance.enabled:
         _require(

@@ -171,7 +171,8 @@ def previous_run(output_dir: Path) -> str | None:
 
 
 class MetricsSink:
-    """Rank 0's writers: metrics.jsonl (one record per step), summary.json and optional TensorBoard scalars."""
+    """Rank 0's writers: metrics.jsonl (one record per step, and one per eval), summary.json and optional
+    TensorBoard scalars."""
 
     def __init__(self, output_dir: Path, tensorboard: bool, continue_after_step: int = 0) -> None:
         """A fresh metrics.jsonl, or (a resumed run) the existing one cut after `continue_after_step`: records of
@@ -198,6 +199,15 @@ class MetricsSink:
         if self._tb is not None:
             for key in ("loss", "grad_norm", "lr", "ms_per_iter", "samples_per_s", "tokens_per_s", "mem_peak_max_gib"):
                 self._tb.add_scalar(f"train/{key}", getattr(record, key), record.step)
+
+    def write_eval(self, record: dict[str, Any]) -> None:
+        """An eval's record (evaluation.py: step, eval_loss, eval_ppl, ...): a line of its own, TensorBoard eval/*."""
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key in ("loss", "ppl"):
+                if record[f"eval_{key}"] is not None:
+                    self._tb.add_scalar(f"eval/{key}", record[f"eval_{key}"], record["step"])
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -21,8 +21,10 @@ from glm45v_fsdp.checkpoint.deepspeed import DeepSpeedState, load_into
 from glm45v_fsdp.checkpoint.layout import describe_diff
 from glm45v_fsdp.checkpoint.state import capture_rng, read_trainer_state, restore_rng
 from glm45v_fsdp.config import Config, dump_yaml
+from glm45v_fsdp.data.collate import move_batch
 from glm45v_fsdp.data.dump import BatchDumper
 from glm45v_fsdp.errors import Preempted, TrainingStopped, UserError
+from glm45v_fsdp.evaluation import EvalBatches, Evaluator
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.lora.peft_format import save_adapter
 from glm45v_fsdp.loss_scale import LossScaler
@@ -52,10 +54,6 @@ from glm45v_fsdp.step import OptimizerStep, StepOutcome
 Batch = dict[str, torch.Tensor]
 
 
-def move_batch(batch: Batch, device: torch.device) -> Batch:
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
-
-
 def micro_loss_scale(
     loss_type: str, valid_tokens: torch.Tensor, global_valid_tokens: torch.Tensor, accumulation: int, dp_size: int
 ) -> torch.Tensor:
@@ -79,10 +77,12 @@ class Trainer:
         loader: Any,
         recipe: OptimizerRecipe | None = None,
         lora_base: dict | None = None,
+        eval_batches: EvalBatches | None = None,
     ) -> None:
         """`recipe` (default: from training.*) names the optimizer and its schedule; ds_compat passes a ds_config's.
         `lora_base`: a LoRA run's reference to its frozen base (checkpoint/base_reference.py): its checkpoints then
-        hold the trainable state only."""
+        hold the trainable state only. `eval_batches`: the validation micro batches (builders.build_eval_batches),
+        evaluated at training.eval_interval and after the last step."""
         self.config = config
         self.runtime = runtime
         self.model = model
@@ -152,6 +152,11 @@ class Trainer:
             runtime.dp_size,
         )
         self.offload = find_offload_runtime(model)  # activation offload's per-step figures (None when off)
+        self.evaluator = (
+            Evaluator(training, runtime, model, eval_batches, self.precision, self._dp_all_reduce)
+            if eval_batches is not None
+            else None
+        )
 
     # ----------------------------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -484,6 +489,7 @@ class Trainer:
         summary = self._summary()
         if summary:  # bad data records left out (data.on_bad_record=skip)
             summary["skipped_records"] = self.loader.dataset.skipped_records
+            summary.update(self.evaluator.summary() if self.evaluator is not None else {})
         if self.checkpointer is not None:
             self.log.info(
                 "checkpoints: step loop blocked %.3f s in total%s",
@@ -512,6 +518,8 @@ class Trainer:
                 bar.write(format_line(record, training.train_iters, self.meter.kind), file=sys.stdout)
             if self.preempted_ranks:
                 self._stop_for_preemption()
+            if self.evaluator is not None and self.evaluator.due(self.step):
+                self.evaluator.run(self.step, self.sink, bar.write, self.deadline and self.deadline.note_progress)
             if self.checkpointer is not None:
                 self.checkpointer.poll()
                 if self.checkpointer.due(self.step):
