@@ -314,6 +314,9 @@ class TrainingConfig:
     # Global eval batches (micro_batch_size samples per data-parallel rank) per eval, from the validation set's
     # start, the same ones every eval; 0 = the whole validation set.
     eval_iters: int = 0
+    # Also save a checkpoint after each eval that lowers the run's best eval loss, named in <training.save>/best and
+    # never pruned by save_keep_last (needs training.save and validation data).
+    save_best: bool = False
     # [first, last]: profile these steps with torch.profiler on every rank and write each rank's communication
     # figures to <output_dir>/profile/rank{R}.json (runtime/profiling.py); null = no profiler.
     profile_steps: list[int] | None = None
@@ -702,7 +705,7 @@ def _validate_eval(config: Config) -> None:
                 f"which reads no file. Hold out part of the synthetic data with data.validation_split (e.g. 0.05), "
                 f"or set data.dataset=json or hf with a validation file in that format."
             )
-    for key in ("eval_interval", "eval_iters"):
+    for key in ("eval_interval", "eval_iters", "save_best"):
         value = getattr(t, key)
         _require(value >= 0, f"training.{key}", value, "an integer >= 0")
         if value and d.validation_path is None and not d.validation_split:
@@ -765,7 +768,7 @@ def validate(config: Config) -> None:
                 f"{default!r} unless training.load is set",
             )
     if t.save is None:
-        for key in ("save_interval", "save_keep_last", "async_save"):
+        for key in ("save_interval", "save_keep_last", "async_save", "save_best"):
             default = getattr(TrainingConfig, key)
             _require(
                 getattr(t, key) == default,

@@ -165,7 +165,8 @@ def training_state_kept(model: nn.Module, device: DeviceLayer) -> Iterator[None]
 
 
 class Evaluator:
-    """Runs the evals of a training run and keeps their results (the last and the best by eval loss)."""
+    """Runs the evals of a training run and keeps their results (the last and the best by eval loss; a resumed run
+    also knows the best before it, from the checkpoint: `best_state` / `restore_best`)."""
 
     def __init__(
         self,
@@ -186,6 +187,7 @@ class Evaluator:
         self.precision = precision
         self.reduce = reduce
         self.results: list[EvalResult] = []
+        self.earlier_best: EvalResult | None = None  # the best eval before a resume
 
     def due(self, step: int) -> bool:
         """Every eval_interval steps (0: never in between) and after the last step."""
@@ -193,8 +195,23 @@ class Evaluator:
 
     @property
     def best(self) -> EvalResult | None:
-        finite = [r for r in self.results if math.isfinite(r.loss)]
+        """The eval with the lowest loss so far (the earliest of equal ones)."""
+        earlier = [self.earlier_best] if self.earlier_best is not None else []
+        finite = [r for r in [*earlier, *self.results] if math.isfinite(r.loss)]
         return min(finite, key=lambda r: r.loss) if finite else None
+
+    def new_best(self, step: int) -> bool:
+        """Whether an eval at `step` lowered the best eval loss."""
+        return bool(self.results) and self.results[-1].step == step and self.best is self.results[-1]
+
+    def best_state(self) -> dict[str, Any] | None:
+        """The best eval so far, for the checkpoint's trainer state."""
+        best = self.best
+        return None if best is None else {"step": best.step, "loss": best.loss}
+
+    def restore_best(self, state: dict[str, Any] | None) -> None:
+        """The best eval of the run a checkpoint continues (`best_state`'s), so a later eval must beat it."""
+        self.earlier_best = None if state is None else EvalResult(state["step"], state["loss"], 0, 0, 0.0)
 
     def evaluate(self, step: int, on_batch: Callable[[], None] | None = None) -> EvalResult:
         """One eval over every eval batch (collective: every rank calls it at the same step). `on_batch` is called

@@ -170,6 +170,7 @@ class Trainer:
             "world_size": self.runtime.env.world_size,
             "config": dump_yaml(self.config),
             "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "eval_best": self.evaluator.best_state() if self.evaluator is not None else None,
         }
 
     def resume_deepspeed(self, state: DeepSpeedState) -> None:
@@ -210,6 +211,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
+        if self.evaluator is not None:
+            self.evaluator.restore_best(state.get("eval_best"))
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr  # the optimizer's own state holds it too, but not under no_load_optim
         self.step = state["step"]
@@ -252,10 +255,11 @@ class Trainer:
             rng,
         )
 
-    def save_checkpoint(self, sync: bool = False) -> None:
+    def save_checkpoint(self, sync: bool = False, best: bool = False) -> None:
         assert self.checkpointer is not None
         rng = capture_rng(self.runtime.device)
-        self.checkpointer.save(self.step, self.model, self.optimizer, self.checkpoint_state(), rng, sync=sync)
+        state = self.checkpoint_state()
+        self.checkpointer.save(self.step, self.model, self.optimizer, state, rng, sync=sync, best=best)
 
     def _stop_for_preemption(self) -> None:
         """Every rank, at the same step: a synchronous checkpoint published as `latest`, then Preempted."""
@@ -520,10 +524,11 @@ class Trainer:
                 self._stop_for_preemption()
             if self.evaluator is not None and self.evaluator.due(self.step):
                 self.evaluator.run(self.step, self.sink, bar.write, self.deadline and self.deadline.note_progress)
+            best = training.save_best and self.evaluator.new_best(self.step)
             if self.checkpointer is not None:
                 self.checkpointer.poll()
-                if self.checkpointer.due(self.step):
-                    self.save_checkpoint()
+                if self.checkpointer.due(self.step) or best:
+                    self.save_checkpoint(best=best)
             if self.fault is not None:
                 self.fault.maybe_fire(self.runtime.env.rank, self.step)
 

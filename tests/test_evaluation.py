@@ -123,6 +123,16 @@ def test_validation_path_is_read_like_the_training_file(tmp_path):
         (["training.eval_interval=5"], "training.eval_interval", "= 5 is set, but there is no validation data"),
         (["training.eval_iters=3"], "training.eval_iters", "= 3 is set, but there is no validation data"),
         (["training.eval_interval=often", "data.validation_split=0.1"], "training.eval_interval", "expects int"),
+        (
+            ["training.save_best=true", "data.validation_split=0.1"],
+            "training.save_best",
+            "= True is invalid: it must be False unless training.save is set",
+        ),
+        (
+            ["training.save_best=true", "training.save=ckpt"],
+            "training.save_best",
+            "= True is set, but there is no validation data",
+        ),
     ],
 )
 def test_bad_eval_keys_name_the_key_and_the_fix(overrides, key, expected):
@@ -195,7 +205,13 @@ PACKED += ["features.chunk_loss.logits_budget_mib=0.02"]
 MEMORY = ["features.recompute.enabled=true"]
 MEMORY += ["features.activation_offload.enabled=true", "features.activation_offload.min_tensor_bytes=0"]
 EP2 = ["parallel.expert_parallel_size=2"]
-ONE_RANK = {"one": [*FROZEN, "training.tensorboard=true"], "one packed": [*FROZEN, *PACKED]}
+# "one" also keeps its best checkpoint (its evals are equal: the first is the best), then "one resumed" continues it.
+SAVE_BEST = ["training.save_best=true", "training.save_keep_last=1", "training.save=SAVE"]
+ONE_RANK = {
+    "one": [*FROZEN, "training.tensorboard=true", *SAVE_BEST],
+    "one packed": [*FROZEN, *PACKED],
+    "one resumed": [*FROZEN, *SAVE_BEST, "training.resume=auto", "training.train_iters=3"],
+}
 LAYOUTS = {
     "dp2": [*FROZEN],
     "ep2": [*FROZEN, *EP2, "features.ep_balance.enabled=true"],
@@ -223,8 +239,11 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(root) -> dict[str, tuple[str, list[dict]]]:
-    """Every run once: (rank 0's log, metrics records) by name; run NAME of ONE_RANK writes to root/one/NAME."""
-    return {**train_many(root / "one", ONE_RANK, 1), **train_many(root / "two", {**LAYOUTS, **SIDE_RUNS}, 2)}
+    """Every run once: (rank 0's log, metrics records) by name; run NAME of ONE_RANK writes to root/one/NAME, and
+    its checkpoints to root/save."""
+    save = str(root / "save")
+    one_rank = {name: [o.replace("SAVE", save) for o in overrides] for name, overrides in ONE_RANK.items()}
+    return {**train_many(root / "one", one_rank, 1), **train_many(root / "two", {**LAYOUTS, **SIDE_RUNS}, 2)}
 
 
 def evals(records: list[dict]) -> list[dict]:
@@ -258,7 +277,7 @@ def test_eval_loss_in_every_layout_equals_one_process(runs, name):
 def test_evals_of_the_same_weights_agree(runs):
     """lr 0: the eval after step 2 sees the weights of the eval after step 1, so nothing the first eval did (or
     training did) may move it."""
-    for name in [*LAYOUTS, *ONE_RANK]:
+    for name in [*LAYOUTS, "one", "one packed"]:
         first, second = (r["eval_loss"] for r in evals(runs[name][1]))
         assert first == second, name
 
@@ -298,3 +317,21 @@ def test_eval_records_summary_line_and_tensorboard(runs, root):
     events.Reload()
     assert [e.step for e in events.Scalars("eval/loss")] == [1, 2]
     assert [e.value for e in events.Scalars("eval/ppl")] == pytest.approx([r["eval_ppl"] for r in mine], rel=1e-6)
+
+
+def test_save_best_keeps_the_best_checkpoint_through_pruning_and_resume(runs, root):
+    """lr 0: every eval is equal, so the first is the best (a tie is no improvement). "one" saves step 1 (best) and
+    step 2 (last); "one resumed" continues from step 2, its eval at step 3 does not beat step 1's, and
+    save_keep_last=1 removes step 2 but never the best."""
+    save = root / "save"
+    assert sorted(path.name for path in save.iterdir() if path.is_dir()) == ["step_00000001", "step_00000003"]
+    assert (save / "best").read_text().strip() == "step_00000001"
+    assert (save / "latest").read_text().strip() == "step_00000003"
+    log, records = runs["one"]
+    assert "checkpoint saved: " in log and log.count("checkpoint saved: ") == 2
+    resumed_log, resumed = runs["one resumed"]
+    assert "resumed from DCP checkpoint" in resumed_log and [r["step"] for r in resumed] == [3, 3]
+    summary = json.loads((root / "one" / "one_resumed" / "summary.json").read_text())
+    assert summary["evals"] == 1 and summary["eval_best_step"] == 1
+    assert summary["eval_loss_best"] == evals(records)[0]["eval_loss"] == evals(resumed)[0]["eval_loss"]
+    assert "removed step_00000002" in resumed_log
