@@ -165,7 +165,7 @@ def previous_run(output_dir: Path) -> str | None:
     metrics = output_dir / "metrics.jsonl"
     if not metrics.is_file():
         return None
-    steps = sum(1 for line in metrics.read_text().splitlines() if line.strip())
+    steps = sum(1 for line in metrics.read_text().splitlines() if line.strip() and '"eval_loss"' not in line)
     finished = "finished (summary.json present)" if (output_dir / "summary.json").is_file() else "unfinished"
     return f"metrics.jsonl of {steps} step(s), {finished}"
 

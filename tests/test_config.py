@@ -88,7 +88,8 @@ def test_an_unknown_key_names_the_closest_few_not_every_key():
     with pytest.raises(UserError) as info:
         load_config(None, ["training.save_inteval=2"])
     message = str(info.value)
-    assert "Did you mean 'training.save_interval'? Also close: 'training.log_interval'." in message
+    close = "Also close: 'training.eval_interval', 'training.log_interval'."
+    assert f"Did you mean 'training.save_interval'? {close}" in message
     assert "training.dump_batches" not in message and len(message) < 200
 
 

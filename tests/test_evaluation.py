@@ -205,10 +205,11 @@ PACKED += ["features.chunk_loss.logits_budget_mib=0.02"]
 MEMORY = ["features.recompute.enabled=true"]
 MEMORY += ["features.activation_offload.enabled=true", "features.activation_offload.min_tensor_bytes=0"]
 EP2 = ["parallel.expert_parallel_size=2"]
-# "one" also keeps its best checkpoint (its evals are equal: the first is the best), then "one resumed" continues it.
+# "one" also keeps its best checkpoint (its evals are equal: the first is the best; written in the background), then
+# "one resumed" continues it.
 SAVE_BEST = ["training.save_best=true", "training.save_keep_last=1", "training.save=SAVE"]
 ONE_RANK = {
-    "one": [*FROZEN, "training.tensorboard=true", *SAVE_BEST],
+    "one": [*FROZEN, "training.tensorboard=true", *SAVE_BEST, "training.async_save=true"],
     "one packed": [*FROZEN, *PACKED],
     "one resumed": [*FROZEN, *SAVE_BEST, "training.resume=auto", "training.train_iters=3"],
 }
