@@ -110,7 +110,7 @@ class EvalResult:
 
     @property
     def ppl(self) -> float:
-        return math.exp(self.loss) if self.loss < 700 else math.inf  # exp overflows a float beyond ~709
+        return math.inf if self.loss > 700 else math.exp(self.loss)  # exp overflows a float beyond ~709
 
     def to_json(self) -> dict[str, Any]:
         """The metrics.jsonl record (non-finite figures as null, as the step records)."""
@@ -239,7 +239,13 @@ class Evaluator:
         self.results.append(result)
         return result
 
-    def run(self, step: int, sink: MetricsSink | None, write: Callable[..., None], on_batch=None) -> EvalResult:
+    def run(
+        self,
+        step: int,
+        sink: MetricsSink | None,
+        write: Callable[..., None],
+        on_batch: Callable[[], None] | None = None,
+    ) -> EvalResult:
         """`evaluate`, then the record to `sink` (rank 0's) and rank 0's line through `write` (the progress bar's)."""
         result = self.evaluate(step, on_batch)
         if sink is not None:
