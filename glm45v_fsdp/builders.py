@@ -22,6 +22,8 @@ from glm45v_fsdp.data.mixture import (
     refuse_dropped_mixture,
     resume_stream,
 )
+from glm45v_fsdp.data.validation import read_validation_file, split_validation
+from glm45v_fsdp.evaluation import EvalBatches, eval_micro_batches
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.lora.apply import AdapterSpec
 from glm45v_fsdp.model import build_meta_model, describe_model, load_hf_config
@@ -135,17 +137,26 @@ class TrainingData:
     dataset: Dataset
     tokenizer: object
     image_processor: object
+    validation: Dataset | None = None  # data.validation_path's or data.validation_split's samples
 
 
 def build_training_data(config: Config, hf_config: object) -> TrainingData:
-    """Tokenizer, image processor and the data set of data.dataset (or the sources of data.mixture), every record
-    checked; logs what data is used."""
+    """Tokenizer, image processor, the data set of data.dataset (or the sources of data.mixture) and the validation
+    set, every record checked; logs what data is used. With data.validation_split the training set is what the
+    split leaves."""
     tokenizer = load_tokenizer(config.model.name_or_path)
     image_processor = load_image_processor(config.model.name_or_path, hf_config.vision_config)
     build = build_dataset if config.data.mixture is None else build_mixture_dataset
     dataset = build(config.data, hf_config, tokenizer, image_processor)
+    validation = None
+    if config.data.validation_split:
+        dataset, validation = split_validation(dataset, config.data.validation_split, config.training.seed)
+    elif config.data.validation_path is not None:
+        validation = read_validation_file(config.data, hf_config, tokenizer, image_processor)
     get_logger().info("data: %s", dataset.summary())
-    return TrainingData(dataset, tokenizer, image_processor)
+    if validation is not None:
+        get_logger().info("validation data: %s", validation.summary())
+    return TrainingData(dataset, tokenizer, image_processor, validation)
 
 
 def build_loader(
@@ -171,6 +182,27 @@ def build_loader(
     return build_dataloader(
         data.dataset,
         sampler,
+        data.tokenizer.pad_token_id,
+        packing=config.data.packing,
+        num_workers=config.data.num_workers,
+    )
+
+
+def build_eval_batches(config: Config, runtime: Runtime, data: TrainingData) -> EvalBatches | None:
+    """This rank's eval micro batches over `data.validation` (evaluation.py), collated as the training's; None
+    without validation data."""
+    if data.validation is None:
+        return None
+    indices = eval_micro_batches(
+        len(data.validation),
+        config.training.micro_batch_size,
+        runtime.dp_rank,
+        runtime.dp_size,
+        config.training.eval_iters,
+    )
+    return EvalBatches(
+        data.validation,
+        indices,
         data.tokenizer.pad_token_id,
         packing=config.data.packing,
         num_workers=config.data.num_workers,

@@ -138,6 +138,11 @@ class DataConfig:
     # Resume a checkpoint whose mixture differs from data.mixture (sources matched by name continue where they
     # were; the blend restarts with the new weights). false: a changed mixture stops the resume.
     mixture_allow_change: bool = False
+    # Validation data (docs/training.md#validation), one of two: a file or directory in data.dataset's format, read
+    # like data.data_path (data.image_root, data.hf_split, data.on_bad_record and cutoff_len apply to it too) ...
+    validation_path: str | None = None
+    # ... or this fraction of the training data, chosen with training.seed and held out (training excludes it); 0: none.
+    validation_split: float = 0.0
 
 
 @dataclass
@@ -326,6 +331,15 @@ class TrainingConfig:
     save_hf: str | None = None
     # Write the first N micro batches of each rank to <output_dir>/batches/rank{R}_micro{K}.pt.
     dump_batches: int = 0
+    # Validation (data.validation_path or data.validation_split): an eval every eval_interval steps and after the
+    # last step; 0 = after the last step only.
+    eval_interval: int = 0
+    # Global eval batches (micro_batch_size samples per data-parallel rank) per eval, from the validation set's
+    # start, the same ones every eval; 0 = the whole validation set.
+    eval_iters: int = 0
+    # Also save a checkpoint after each eval that lowers the run's best eval loss, named in <training.save>/best and
+    # never pruned by save_keep_last (needs training.save and validation data).
+    save_best: bool = False
     # [first, last]: profile these steps with torch.profiler on every rank and write each rank's communication
     # figures to <output_dir>/profile/rank{R}.json (runtime/profiling.py); null = no profiler.
     profile_steps: list[int] | None = None
@@ -786,6 +800,65 @@ def _validate_mixture(d: DataConfig) -> None:
         )
 
 
+def _mixture_file_formats(d: DataConfig) -> set[str]:
+    return {source.dataset for source in d.mixture or () if source.dataset != "synthetic"}
+
+
+def validation_format(d: DataConfig) -> str:
+    """The format data.validation_path is read in: data.dataset's, or the one file format of data.mixture's
+    sources (checked by validate)."""
+    return d.dataset if d.mixture is None else next(iter(_mixture_file_formats(d)))
+
+
+def _validate_eval(config: Config) -> None:
+    """The validation set (data.validation_path or data.validation_split) and the eval cadence that needs it."""
+    d, t = config.data, config.training
+    _require(
+        0 <= d.validation_split < 1,
+        "data.validation_split",
+        d.validation_split,
+        "a fraction in [0, 1) of the training data to hold out for validation (0: none), e.g. 0.05",
+    )
+    if d.validation_path is not None:
+        _require(bool(d.validation_path.strip()), "data.validation_path", d.validation_path, "a path or null")
+        if d.validation_split:
+            raise ConfigError(
+                f"Config keys 'data.validation_path' = {d.validation_path!r} and 'data.validation_split' = "
+                f"{d.validation_split} are both set, but the validation set comes from one of them. Remove "
+                f"data.validation_split to validate on the file, or data.validation_path to hold out that fraction "
+                f"of the training data."
+            )
+        if d.mixture is not None and len(_mixture_file_formats(d)) != 1:
+            formats = " and ".join(sorted(_mixture_file_formats(d))) or "no file format (every source is synthetic)"
+            raise ConfigError(
+                f"Config key 'data.validation_path' = {d.validation_path!r} is read in the format of data.mixture's "
+                f"file sources, but the mixture has {formats}. Give the mixture's sources one file format (json or "
+                f"hf) for the validation file to share, or remove data.validation_path."
+            )
+        if d.mixture is None and d.dataset == "synthetic":
+            raise ConfigError(
+                f"Config key 'data.validation_path' = {d.validation_path!r} is set, but data.dataset is 'synthetic', "
+                f"which reads no file. Hold out part of the synthetic data with data.validation_split (e.g. 0.05), "
+                f"or set data.dataset=json or hf with a validation file in that format."
+            )
+    if d.mixture is not None and d.validation_split:
+        raise ConfigError(
+            f"Config key 'data.validation_split' = {d.validation_split} is set together with data.mixture: a mixture's "
+            f"samples are drawn from each source by its weight, so there is no single data set to hold a fraction "
+            f"out of. Give a validation file with data.validation_path (in the mixture's file format), or remove "
+            f"data.validation_split."
+        )
+    for key in ("eval_interval", "eval_iters", "save_best"):
+        value = getattr(t, key)
+        _require(value >= 0, f"training.{key}", value, "an integer >= 0")
+        if value and d.validation_path is None and not d.validation_split:
+            raise ConfigError(
+                f"Config key 'training.{key}' = {value} is set, but there is no validation data to evaluate on. "
+                f"Set data.validation_path (a file in data.dataset's format) or data.validation_split (a fraction "
+                f"of the training data to hold out), or remove training.{key}."
+            )
+
+
 def validate(config: Config) -> None:
     """Checks that need nothing but the config itself."""
     t, d, p = config.training, config.data, config.parallel
@@ -838,7 +911,7 @@ def validate(config: Config) -> None:
                 f"{default!r} unless training.load is set",
             )
     if t.save is None:
-        for key in ("save_interval", "save_keep_last", "async_save"):
+        for key in ("save_interval", "save_keep_last", "async_save", "save_best"):
             default = getattr(TrainingConfig, key)
             _require(
                 getattr(t, key) == default,
@@ -904,6 +977,7 @@ def validate(config: Config) -> None:
     _require(bool(p.ep_plan.apply_modules), "parallel.ep_plan.apply_modules", [], "a non-empty list of patterns")
     _require(config.model.router_skew >= 0, "model.router_skew", config.model.router_skew, ">= 0")
     _validate_lora(config)
+    _validate_eval(config)
     balance = config.features.ep_balance
     if balance.enabled:
         _require(

@@ -166,13 +166,14 @@ def previous_run(output_dir: Path) -> str | None:
     metrics = output_dir / "metrics.jsonl"
     if not metrics.is_file():
         return None
-    steps = sum(1 for line in metrics.read_text().splitlines() if line.strip())
+    steps = sum(1 for line in metrics.read_text().splitlines() if line.strip() and '"eval_loss"' not in line)
     finished = "finished (summary.json present)" if (output_dir / "summary.json").is_file() else "unfinished"
     return f"metrics.jsonl of {steps} step(s), {finished}"
 
 
 class MetricsSink:
-    """Rank 0's writers: metrics.jsonl (one record per step), summary.json and optional TensorBoard scalars."""
+    """Rank 0's writers: metrics.jsonl (one record per step, and one per eval), summary.json and optional
+    TensorBoard scalars."""
 
     def __init__(self, output_dir: Path, tensorboard: bool, continue_after_step: int = 0) -> None:
         """A fresh metrics.jsonl, or (a resumed run) the existing one cut after `continue_after_step`: records of
@@ -202,6 +203,15 @@ class MetricsSink:
             for key, value in record.extra.items():
                 if key.startswith(TENSORBOARD_GROUPS):
                     self._tb.add_scalar(key, value, record.step)
+
+    def write_eval(self, record: dict[str, Any]) -> None:
+        """An eval's record (evaluation.py: step, eval_loss, eval_ppl, ...): a line of its own, TensorBoard eval/*."""
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key in ("loss", "ppl"):
+                if record[f"eval_{key}"] is not None:
+                    self._tb.add_scalar(f"eval/{key}", record[f"eval_{key}"], record["step"])
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

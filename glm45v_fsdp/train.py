@@ -101,7 +101,13 @@ def deepspeed_config_path(args: argparse.Namespace) -> str | None:
 def run(argv: list[str]) -> dict:
     """Parse, validate, build, resume (DCP), train, export (training.save_hf); returns the end-of-run summary."""
     args = parse_args(argv)  # before torch is imported: --help and usage errors answer at once
-    from glm45v_fsdp.builders import build_loader, build_model, build_runtime, build_training_data
+    from glm45v_fsdp.builders import (
+        build_eval_batches,
+        build_loader,
+        build_model,
+        build_runtime,
+        build_training_data,
+    )
     from glm45v_fsdp.checkpoint.base_reference import base_reference, holds_trainable_only, read_base
     from glm45v_fsdp.checkpoint.dcp import auto_resume, check_save_targets, load_model_weights, resolve_load
     from glm45v_fsdp.checkpoint.deepspeed import read_deepspeed
@@ -159,7 +165,8 @@ def run(argv: list[str]) -> dict:
         recipe = ds_run.recipe if ds_run is not None else None
         if resume is not None and resume.format == "dcp" and holds_trainable_only(resume.path):
             lora_base = base_reference(read_base(resume.path))  # the base the resumed run trained on
-        trainer = Trainer(config, runtime, model, loader, recipe=recipe, lora_base=lora_base)
+        eval_batches = build_eval_batches(config, runtime, data)
+        trainer = Trainer(config, runtime, model, loader, recipe=recipe, lora_base=lora_base, eval_batches=eval_batches)
         if resume is not None and resume.format == "dcp":
             trainer.resume(resume.path)
         elif deepspeed_state is not None:

@@ -21,9 +21,11 @@ from glm45v_fsdp.checkpoint.deepspeed import DeepSpeedState, load_into
 from glm45v_fsdp.checkpoint.layout import describe_diff
 from glm45v_fsdp.checkpoint.state import capture_rng, read_trainer_state, restore_rng
 from glm45v_fsdp.config import Config, dump_yaml
+from glm45v_fsdp.data.collate import move_batch
 from glm45v_fsdp.data.dump import BatchDumper
 from glm45v_fsdp.data.mixture_metrics import MixtureFigures
 from glm45v_fsdp.errors import Preempted, TrainingStopped, UserError
+from glm45v_fsdp.evaluation import EvalBatches, Evaluator
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.lora.peft_format import save_adapter
 from glm45v_fsdp.loss_scale import LossScaler
@@ -53,10 +55,6 @@ from glm45v_fsdp.step import OptimizerStep, StepOutcome
 Batch = dict[str, torch.Tensor]
 
 
-def move_batch(batch: Batch, device: torch.device) -> Batch:
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
-
-
 def micro_loss_scale(
     loss_type: str, valid_tokens: torch.Tensor, global_valid_tokens: torch.Tensor, accumulation: int, dp_size: int
 ) -> torch.Tensor:
@@ -80,10 +78,12 @@ class Trainer:
         loader: Any,
         recipe: OptimizerRecipe | None = None,
         lora_base: dict | None = None,
+        eval_batches: EvalBatches | None = None,
     ) -> None:
         """`recipe` (default: from training.*) names the optimizer and its schedule; ds_compat passes a ds_config's.
         `lora_base`: a LoRA run's reference to its frozen base (checkpoint/base_reference.py): its checkpoints then
-        hold the trainable state only."""
+        hold the trainable state only. `eval_batches`: the validation micro batches (builders.build_eval_batches),
+        evaluated at training.eval_interval and after the last step."""
         self.config = config
         self.runtime = runtime
         self.model = model
@@ -154,6 +154,11 @@ class Trainer:
         )
         self.offload = find_offload_runtime(model)  # activation offload's per-step figures (None when off)
         self.mixture = MixtureFigures(loader, model, runtime)  # data.mixture's per-source figures (idle when off)
+        self.evaluator = (
+            Evaluator(training, runtime, model, eval_batches, self.precision, self._dp_all_reduce)
+            if eval_batches is not None
+            else None
+        )
 
     # ----------------------------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -168,6 +173,7 @@ class Trainer:
             "config": dump_yaml(self.config),
             "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "mixture": self.mixture.checkpoint(self.consumed_samples),
+            "eval_best": self.evaluator.best_state() if self.evaluator is not None else None,
         }
 
     def resume_deepspeed(self, state: DeepSpeedState) -> None:
@@ -208,6 +214,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
+        if self.evaluator is not None:
+            self.evaluator.restore_best(state.get("eval_best"))
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr  # the optimizer's own state holds it too, but not under no_load_optim
         self.step = state["step"]
@@ -250,10 +258,11 @@ class Trainer:
             rng,
         )
 
-    def save_checkpoint(self, sync: bool = False) -> None:
+    def save_checkpoint(self, sync: bool = False, best: bool = False) -> None:
         assert self.checkpointer is not None
         rng = capture_rng(self.runtime.device)
-        self.checkpointer.save(self.step, self.model, self.optimizer, self.checkpoint_state(), rng, sync=sync)
+        state = self.checkpoint_state()
+        self.checkpointer.save(self.step, self.model, self.optimizer, state, rng, sync=sync, best=best)
 
     def _stop_for_preemption(self) -> None:
         """Every rank, at the same step: a synchronous checkpoint published as `latest`, then Preempted."""
@@ -489,6 +498,7 @@ class Trainer:
         summary = self._summary()
         if summary:  # bad data records left out (data.on_bad_record=skip)
             summary["skipped_records"] = self.loader.dataset.skipped_records
+            summary.update(self.evaluator.summary() if self.evaluator is not None else {})
         if self.checkpointer is not None:
             self.log.info(
                 "checkpoints: step loop blocked %.3f s in total%s",
@@ -517,10 +527,13 @@ class Trainer:
                 bar.write(format_line(record, training.train_iters, self.meter.kind), file=sys.stdout)
             if self.preempted_ranks:
                 self._stop_for_preemption()
+            if self.evaluator is not None and self.evaluator.due(self.step):
+                self.evaluator.run(self.step, self.sink, bar.write, self.deadline and self.deadline.note_progress)
+            best = training.save_best and self.evaluator.new_best(self.step)
             if self.checkpointer is not None:
                 self.checkpointer.poll()
-                if self.checkpointer.due(self.step):
-                    self.save_checkpoint()
+                if self.checkpointer.due(self.step) or best:
+                    self.save_checkpoint(best=best)
             if self.fault is not None:
                 self.fault.maybe_fire(self.runtime.env.rank, self.step)
 

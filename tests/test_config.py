@@ -88,7 +88,8 @@ def test_an_unknown_key_names_the_closest_few_not_every_key():
     with pytest.raises(UserError) as info:
         load_config(None, ["training.save_inteval=2"])
     message = str(info.value)
-    assert "Did you mean 'training.save_interval'? Also close: 'training.log_interval'." in message
+    close = "Also close: 'training.eval_interval', 'training.log_interval'."
+    assert f"Did you mean 'training.save_interval'? {close}" in message
     assert "training.dump_batches" not in message and len(message) < 200
 
 
@@ -241,6 +242,21 @@ def test_shipped_configs_are_reachable_by_name(tmp_path, monkeypatch):
         (["data.mixture=[{}]", "data.dataset=hf"], "'data.mixture' and 'data.dataset' = 'hf' are both set"),
         (["data.mixture=[{}]", "data.hf_split=test"], "'data.hf_split' = 'test' is set, but no data.mixture source"),
         (["data.mixture=[{}]", "data.image_root=img"], "'data.image_root' = 'img' is set, but every data.mixture"),
+        (
+            ["data.mixture=[{}]", "data.validation_split=0.1"],
+            "'data.validation_split' = 0.1 is set together with data.mixture",
+        ),
+        (
+            ["data.mixture=[{}]", "data.validation_path=v.jsonl"],
+            "but the mixture has no file format (every source is synthetic)",
+        ),
+        (
+            [
+                "data.mixture=[{dataset: json, data_path: a.jsonl}, {dataset: hf, data_path: b}]",
+                "data.validation_path=v",
+            ],
+            "but the mixture has hf and json. Give the mixture's sources one file format",
+        ),
     ],
 )
 def test_mixture_keys_are_validated(overrides, expected):

@@ -7,7 +7,8 @@ Launched under `ds-fsdp`, fp32 on CPU ranks, transformers' tiny GLM-4.5V saved a
   samples) and the same script's with every feature off; the consolidated save reloads in transformers with equal
   tensors; a resume from its checkpoint continues exactly;
 - tests/glm_hf_trainer_script.py (HF Trainer, "auto" ds_config, gradient_checkpointing=True, HF-style collator
-  without position_ids): the same, against the trainer door, with save_model and resume_from_checkpoint.
+  without position_ids): the same, against the trainer door, with save_model and resume_from_checkpoint; and
+  its evals every 2 steps on samples held out by data.validation_split equal the trainer door's on the same samples.
 In process: the forward contract (transformers' loss as token mean and with num_items_in_batch, logits) on 1 rank,
 the extension section's and AutoEP keys' errors, transformers' checkpointing switch, and a model that is not
 GLM-4.5V keeping the generic path.
@@ -42,6 +43,7 @@ TRAINER_SCRIPT = REPO / "tests" / "glm_hf_trainer_script.py"
 STEPS, SAVE_AT = 6, 3
 CP_NAMES = ("ulysses2", "ring2", "ulysses2_ep2", "ring2_ep2")  # tests/glm_door_script.py's CP_RUNS but the hybrids
 LIMIT = 1e-5  # mean relative loss error, fp32
+EVAL_LIMIT = 1e-6  # relative eval-loss error on the same weights, fp32
 
 
 def launch(script: Path, nproc: int, out: Path, *args: str) -> str:
@@ -70,7 +72,7 @@ def trainer_door(out: Path, ds_config: dict, hf_dir: Path, nproc: int, *override
     args = ["--deepspeed", str(path), f"training.load={hf_dir}", "data.shuffle=false", f"training.train_iters={STEPS}"]
     result = train(out, [*args, *overrides], nproc=nproc)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [record["loss"] for record in read_metrics(out)], result.stdout + result.stderr
+    return [record["loss"] for record in read_metrics(out) if "loss" in record], result.stdout + result.stderr
 
 
 def plan_lines(log: str) -> set[str]:
@@ -213,18 +215,21 @@ def test_api_script_hybrid_context_parallel_equals_cp1_and_the_trainer_door(name
         assert result[f"{name}_plans"]["expert_parallel"] > 0 and groups["ep_name"] == "ep_size_2"
 
 
-def hf_script_run(root: Path, script: Path, hf_dir: Path, *data: str) -> dict:
+def hf_script_run(root: Path, script: Path, hf_dir: Path, *data: str, eval_split: float = 0.0) -> dict:
     """An HF Trainer-style script (tests/glm_door_hf_common.py) with its features on, resumed from checkpoint-3 in a
     fresh launch, with every feature off, and the trainer door beside it on the ds_config the script resolved.
 
     transformers' GLM-4.5V declares accepts_loss_kwargs=False: the Trainer (and TRL) average the micro batches' token
     means, as the trainer door's loss_type=default does. gradient_checkpointing=True is a TrainingArguments switch,
     not a ds_config key: the trainer door gets it as ours. `data`: the script's data overrides, for the trainer door
-    too."""
-    log = launch(script, 2, root / "door", "--hf_dir", str(hf_dir))
-    launch(script, 2, root / "door", "--hf_dir", str(hf_dir), "--resume")
-    launch(script, 2, root / "off", "--hf_dir", str(hf_dir), "--features_off")
+    too. `eval_split`: the scripts hold out that fraction (their --eval_split) and evaluate on it every 2 steps (but
+    the resumed run), and so does the trainer door (data.validation_split, training.eval_interval=2)."""
+    split = ["--eval_split", str(eval_split)] if eval_split else []
+    log = launch(script, 2, root / "door", "--hf_dir", str(hf_dir), *split)
+    launch(script, 2, root / "door", "--hf_dir", str(hf_dir), "--resume", *split)
+    launch(script, 2, root / "off", "--hf_dir", str(hf_dir), "--features_off", *split)
     ds_config = json.loads((root / "door" / "ds_config.json").read_text())
+    data = (*data, f"data.validation_split={eval_split}", "training.eval_interval=2") if eval_split else data
     reference, reference_log = trainer_door(
         root / "trainer", ds_config, hf_dir, 2, "features.recompute.enabled=true", *data
     )
@@ -237,12 +242,16 @@ def hf_script_run(root: Path, script: Path, hf_dir: Path, *data: str) -> dict:
         "off": json.loads((root / "off" / "result.json").read_text()),
         "ref": reference,
         "ref_log": reference_log,
+        "ref_evals": [record for record in read_metrics(root / "trainer") if "eval_loss" in record],
     }
+
+
+EVAL_SPLIT = 0.02  # 6 of the 256 synthetic samples, none of them among the first 24 that the 6 steps train on
 
 
 @pytest.fixture(scope="module")
 def trainer_run(tmp_path_factory, hf_dir) -> dict:
-    return hf_script_run(tmp_path_factory.mktemp("hf_trainer"), TRAINER_SCRIPT, hf_dir)
+    return hf_script_run(tmp_path_factory.mktemp("hf_trainer"), TRAINER_SCRIPT, hf_dir, eval_split=EVAL_SPLIT)
 
 
 def test_hf_trainer_on_the_whole_engine_equals_the_trainer_door(trainer_run):
@@ -257,6 +266,22 @@ def test_hf_trainer_on_the_whole_engine_equals_the_trainer_door(trainer_run):
     assert result["applied_plans"]["expert_parallel"] == 3 and "chunk_loss" in result["applied_plans"]
     # the same ds_config behind `train --deepspeed` applies the same plans to the same modules
     assert plan_lines(trainer_run["log"]) == plan_lines(trainer_run["ref_log"]) != set()
+
+
+def test_hf_trainer_evals_equal_the_trainer_door_evals(trainer_run):
+    """The HF Trainer's evals on the engine (ZeRO 3, EP 2, dynamic chunked loss, EP balance, recompute; and with the
+    features off) against the trainer door's on the same ds_config, weights and held-out samples. After 2 steps the
+    weights of the two doors still agree to float rounding (their step-3 losses to ~2e-8), so their evals must agree to
+    the eval's own limit; later the training's divergence grows (~6e-6 in the step-6 loss) and dominates, and there
+    the engine's evals with and without its features must agree."""
+    result, off, door = trainer_run["result"], trainer_run["off"], trainer_run["ref_evals"]
+    assert [r["step"] for r in door] == [step for step, _ in result["evals"]] == [step for step, _ in off["evals"]]
+    assert [r["step"] for r in door] == [2, 4, 6] and door[0]["eval_samples"] == len(result["eval_samples"]) == 6
+    # the held-out samples leave the trained ones (0-23) alone: the runs without a split (alst4) train on them too
+    assert min(result["eval_samples"]) >= STEPS * 2 * 2
+    for run in (result, off):
+        assert abs(run["evals"][0][1] - door[0]["eval_loss"]) / door[0]["eval_loss"] <= EVAL_LIMIT
+    assert mean_relative_error([e for _, e in result["evals"]], [e for _, e in off["evals"]], 3) <= EVAL_LIMIT
 
 
 def test_hf_trainer_features_off_gives_the_same_losses(trainer_run):

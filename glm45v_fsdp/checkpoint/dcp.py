@@ -65,6 +65,7 @@ from glm45v_fsdp.runtime.faults import Fault
 TMP_SUFFIX = ".tmp"
 SHARED_PROBE_PREFIX = ".shared-storage-probe-"
 LATEST_FILE = "latest"
+BEST_FILE = "best"  # training.save_best: the name of the checkpoint with the lowest eval loss
 EXTRA_DIRS = ("adapter",)  # what a Checkpointer's `extra` writes, on rank 0
 METADATA_FILE = ".metadata"
 MODEL_KEY = "model"
@@ -396,6 +397,7 @@ class _Pending:
     tmp: Path
     future: Future
     started: float
+    best: bool
 
 
 # What a save that runs out of space or permission raises; anything else is a bug and keeps its traceback.
@@ -578,9 +580,10 @@ class Checkpointer:
         trainer_state: dict[str, Any],
         rng_state: dict[str, Any],
         sync: bool = False,
+        best: bool = False,
     ) -> float:
         """Write checkpoint `step` (collective; `sync`: in the call even with async_save, e.g. before a preemption
-        exit); returns the seconds the caller was blocked."""
+        exit; `best`: it becomes the one `best` names, once published); returns the seconds the caller was blocked."""
         start = time.perf_counter()
         self.wait()
         tmp = self.save_dir / f"{checkpoint_name(step)}{TMP_SUFFIX}"
@@ -600,7 +603,8 @@ class Checkpointer:
             state = model_and_optimizer_state(model, optimizer, trainable_only=self.base is not None)
             if background:
                 written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
-                self._pending = _Pending(step, tmp, self._hasher.submit(self._checksums, tmp, written), start)
+                future = self._hasher.submit(self._checksums, tmp, written)
+                self._pending = _Pending(step, tmp, future, start, best)
                 if self.fault is not None:
                     self.fault.maybe_fire(self.rank, step, in_save=True)
             else:
@@ -609,7 +613,7 @@ class Checkpointer:
                 if self.fault is not None:
                     self.fault.maybe_fire(self.rank, step, in_save=True)
                 self._checksums(tmp)
-                self._publish(step, tmp, start, background=False)
+                self._publish(step, tmp, start, background=False, best=best)
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             self._fail(error, step, tmp)
         blocked = time.perf_counter() - start
@@ -639,7 +643,7 @@ class Checkpointer:
             pending.future.result()  # rank 0's ends after every rank's files are written and hashed
         except (Exception, CheckpointException) as error:
             self._fail(error, pending.step, pending.tmp)
-        self._publish(pending.step, pending.tmp, pending.started, background=True)
+        self._publish(pending.step, pending.tmp, pending.started, background=True, best=pending.best)
 
     def _checksums(self, tmp: Path, written: Future | None = None) -> None:
         """Hash the files this rank wrote (after an async write finished); rank 0 then waits for every rank's
@@ -685,17 +689,18 @@ class Checkpointer:
             "and resumes the run (training.resume=auto)",
         ) from None
 
-    def _publish(self, step: int, tmp: Path, started: float, background: bool) -> None:
-        """Rank 0: rename `step_N.tmp` to `step_N`, then point `latest` at it and prune."""
+    def _publish(self, step: int, tmp: Path, started: float, background: bool, best: bool) -> None:
+        """Rank 0: rename `step_N.tmp` to `step_N`, then point `latest` (and, for the best, `best`) at it and prune."""
         if self.rank != 0:
             return
         final = self.save_dir / checkpoint_name(step)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        latest_tmp = self.save_dir / f"{LATEST_FILE}{TMP_SUFFIX}"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, self.save_dir / LATEST_FILE)
+        for pointer in (LATEST_FILE, BEST_FILE) if best else (LATEST_FILE,):
+            pointer_tmp = self.save_dir / f"{pointer}{TMP_SUFFIX}"
+            pointer_tmp.write_text(final.name + "\n")
+            os.replace(pointer_tmp, self.save_dir / pointer)
         removed = self._prune(final)
         hashed_bytes, hashed_s = self.hashed
         self.log.info(
@@ -709,10 +714,13 @@ class Checkpointer:
         )
 
     def _prune(self, newest: Path) -> list[str]:
-        """Remove stale `.tmp` directories and, with save_keep_last=K, all but the newest K checkpoints."""
+        """Remove stale `.tmp` directories and, with save_keep_last=K, all but the newest K checkpoints (and the one
+        `best` names)."""
         doomed = [path for path in self.save_dir.glob(f"step_*{TMP_SUFFIX}") if path.is_dir()]
         if self.keep_last:
-            older = [path for path in complete_checkpoints(self.save_dir) if path != newest]
+            best = self.save_dir / BEST_FILE
+            kept = {newest, self.save_dir / best.read_text().strip()} if best.is_file() else {newest}
+            older = [path for path in complete_checkpoints(self.save_dir) if path not in kept]
             doomed += older[: max(0, len(older) - (self.keep_last - 1))]
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)

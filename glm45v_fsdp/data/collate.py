@@ -95,3 +95,8 @@ def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> di
     batch["num_valid_tokens"] = supervised_token_count(batch["labels"])
     batch["num_samples"] = torch.tensor(len(samples))
     return batch
+
+
+def move_batch(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of `batch` on `device`."""
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}

@@ -1,19 +1,21 @@
-"""DataLoader over a GlobalBatchSampler; worker processes are spawned, never forked from an initialised device."""
+"""DataLoader over a batch sampler (training: GlobalBatchSampler); worker processes are spawned, never forked from an
+initialised device."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 from torch.utils.data import DataLoader, Dataset
 
 from glm45v_fsdp.data.collate import collate
-from glm45v_fsdp.data.sampler import GlobalBatchSampler
 
 
 def build_dataloader(
-    dataset: Dataset, sampler: GlobalBatchSampler, pad_token_id: int, packing: bool, num_workers: int
+    dataset: Dataset, sampler: Iterable[list[int]], pad_token_id: int, packing: bool, num_workers: int
 ) -> DataLoader:
-    """Micro batches of `sampler` collated by `collate`; num_workers > 0 uses persistent spawned workers."""
+    """Micro batches of `sampler` (a GlobalBatchSampler, or a list of sample index lists) collated by `collate`;
+    num_workers > 0 uses persistent spawned workers."""
     return DataLoader(
         dataset,
         batch_sampler=sampler,

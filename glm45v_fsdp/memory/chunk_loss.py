@@ -26,6 +26,43 @@ from glm45v_fsdp.module_patterns import PlanMatch, match_modules
 FP32_BYTES = 4
 
 
+def _loss_and_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int,
+    want_hidden: bool,
+    want_weight: bool,
+    row_losses: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(CE sum, d sum / d hidden or None, d sum / d weight in fp32 or None), `chunk` rows at a time; `row_losses`
+    (fp32, one per row), when given, receives each row's CE (the terms of the sum)."""
+    weight32 = weight.float()
+    grad_hidden = torch.empty_like(hidden) if want_hidden else None
+    grad_weight = torch.zeros_like(weight32) if want_weight else None
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        rows = hidden[start : start + chunk]
+        targets = labels[start : start + chunk]
+        logits = rows.float() @ weight32.T  # [c, V] fp32: the only large buffer
+        lse = torch.logsumexp(logits, dim=-1)
+        index = torch.arange(len(targets), device=hidden.device)
+        row_loss = lse - logits[index, targets]
+        loss += row_loss.sum()
+        if row_losses is not None:
+            row_losses[start : start + chunk] = row_loss
+        if grad_hidden is None and grad_weight is None:
+            continue
+        probs = logits.sub_(lse[:, None]).exp_()  # softmax in place: d(sum CE)/d logits = softmax - one hot
+        probs[index, targets] -= 1.0
+        if grad_hidden is not None:
+            grad_hidden[start : start + chunk] = (probs @ weight32).to(hidden.dtype)
+        if grad_weight is not None:
+            grad_weight.addmm_(probs.T, rows.float())
+        del logits, probs
+    return loss, grad_hidden, grad_weight
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -37,38 +74,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         row_losses: torch.Tensor | None,
     ) -> torch.Tensor:
         with torch.autocast(device_type=hidden.device.type, enabled=False):  # fp32 logits whatever the context
-            return _ChunkedLinearCrossEntropy._forward(ctx, hidden, weight, labels, chunk, row_losses)
-
-    @staticmethod
-    def _forward(
-        ctx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        chunk: int,
-        row_losses: torch.Tensor | None,
-    ) -> torch.Tensor:
-        weight32 = weight.float()
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight32) if ctx.needs_input_grad[1] else None
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk):
-            rows = hidden[start : start + chunk]
-            targets = labels[start : start + chunk]
-            logits = rows.float() @ weight32.T  # [c, V] fp32: the only large buffer
-            lse = torch.logsumexp(logits, dim=-1)
-            index = torch.arange(len(targets), device=hidden.device)
-            row_loss = lse - logits[index, targets]
-            loss += row_loss.sum()
-            if row_losses is not None:
-                row_losses[start : start + chunk] = row_loss
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax in place: d(sum CE)/d logits = softmax - one hot
-            probs[index, targets] -= 1.0
-            if grad_hidden is not None:
-                grad_hidden[start : start + chunk] = (probs @ weight32).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(probs.T, rows.float())
-            del logits, probs
+            loss, grad_hidden, grad_weight = _loss_and_grads(
+                hidden, weight, labels, chunk, *ctx.needs_input_grad[:2], row_losses
+            )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -92,8 +100,12 @@ def chunked_linear_cross_entropy(
 ):
     """Sum of CE of `hidden @ weight.T` against `labels` (all supervised: no ignore_index here), `chunk` rows at a
     time; same value as cross_entropy(linear(hidden, weight).float(), labels, reduction="sum"). `row_losses` (fp32,
-    one per row), when given, receives each row's CE (the terms of that sum)."""
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk, row_losses)
+    one per row), when given, receives each row's CE (the terms of that sum). Without grad mode (an eval) the sum
+    alone: no gradient is computed or held (an autograd Function's forward cannot tell)."""
+    if torch.is_grad_enabled():
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk, row_losses)
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        return _loss_and_grads(hidden, weight, labels, chunk, False, False, row_losses)[0]
 
 
 @dataclass

@@ -149,6 +149,10 @@ class StepDeadline:
         self.step_seconds.append(seconds)
         self._progress = time.monotonic()
 
+    def note_progress(self) -> None:
+        """Work between steps (an eval's batch) went on: the deadline counts from now."""
+        self._progress = time.monotonic()
+
     def stop(self) -> None:
         self._stop.set()
 
