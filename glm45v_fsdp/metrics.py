@@ -62,7 +62,17 @@ def format_line(record: StepRecord, total_steps: int, memory_kind: str) -> str:
     return (
         f"step {record.step}/{total_steps} | loss {record.loss:.6f} | grad norm {record.grad_norm:.4f} | "
         f"lr {record.lr:.3e} | {record.ms_per_iter:.1f} ms/iter | {record.samples_per_s:.2f} samples/s | "
-        f"{record.tokens_per_s:.0f} tokens/s | {memory}{skipped}{_expert_load(record.extra)}"
+        f"{record.tokens_per_s:.0f} tokens/s | {memory}{skipped}{_expert_load(record.extra)}{_router(record.extra)}"
+    )
+
+
+def _router(extra: dict[str, Any]) -> str:
+    """The MoE routers' summary (model/router_health.py): the worst layer's expert load max/mean, dead experts."""
+    if "router/worst_load_max_over_mean" not in extra:
+        return ""
+    return (
+        f" | router max/mean {extra['router/worst_load_max_over_mean']:.2f} (layer "
+        f"{extra['router/worst_load_layer']}), dead {100 * extra['router/dead_fraction']:.1f}%"
     )
 
 
@@ -198,6 +208,9 @@ class MetricsSink:
         if self._tb is not None:
             for key in ("loss", "grad_norm", "lr", "ms_per_iter", "samples_per_s", "tokens_per_s", "mem_peak_max_gib"):
                 self._tb.add_scalar(f"train/{key}", getattr(record, key), record.step)
+            for key, value in record.extra.items():  # the MoE router figures, under their own names
+                if key.startswith("router/"):
+                    self._tb.add_scalar(key, value, record.step)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
