@@ -107,8 +107,22 @@ def check_router_features(config: Config, model: nn.Module, alst: bool) -> None:
     """The extension's auxiliary balance loss (features.router.aux_loss_coef) is added to the loss by our forward:
     refused where our forward does not compute the loss (a forward replaced on the instance), and under DeepSpeed's
     ALST loader adapter, whose loss is this rank's slice's alone and whose gradients DeepSpeed averages over the
-    sequence-parallel ranks (a whole-sequence auxiliary loss would be scaled down by their number)."""
-    coefficient = config.features.router.aux_loss_coef
+    sequence-parallel ranks (a whole-sequence auxiliary loss would be scaled down by their number). A model whose
+    config asks for transformers' router loss (text_config.output_router_logits) must get it from the extension
+    section, which our forward reads, rather than lose it."""
+    router = config.features.router
+    text = model.config.text_config
+    if getattr(text, "output_router_logits", False) and not forward_replaced(model):
+        wanted = text.router_aux_loss_coef
+        if router.aux_loss_type != "transformers" or router.aux_loss_coef != wanted:
+            raise UserError(
+                f"The GLM-4.5V passed to deepspeed.initialize has text_config.output_router_logits=True (transformers "
+                f"then adds router_aux_loss_coef={wanted} x its load-balancing loss), which this backend's forward "
+                f'does not read. Ask for it in the ds_config\'s \'{EXTENSION_KEY}\' section: "features": {{"router": '
+                f'{{"aux_loss_type": "transformers", "aux_loss_coef": {wanted}}}}}, or build the model with '
+                "output_router_logits=False."
+            )
+    coefficient = router.aux_loss_coef
     if not coefficient:
         return
     key = f"DeepSpeed config key '{EXTENSION_KEY}.features.router.aux_loss_coef' = {coefficient}"

@@ -158,6 +158,19 @@ class MoEPlan(Plan):
             f"{_router_balancing(config)}"
         )
 
+    def estimate(
+        self, estimate: ActivationEstimate, config: Config, dims: ParallelDims, hf_config: object, matches: list
+    ) -> None:
+        """The auxiliary balance loss keeps every MoE layer's fp32 router logits until backward."""
+        if config.features.router.aux_loss_coef:
+            text = hf_config.text_config
+            layers = len(_moe_layers(hf_config))
+            estimate.add_term(
+                "router: auxiliary loss",
+                layers * estimate.base.tokens * text.n_routed_experts * 4,
+                f"fp32 router logits [tokens, {text.n_routed_experts}] of {layers} MoE layer(s), kept for backward",
+            )
+
 
 def _router_balancing(config: Config) -> str:
     """features.router's switches, in words, for the moe plan's line."""

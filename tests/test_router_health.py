@@ -276,6 +276,24 @@ def test_door_extension_aux_loss_equals_transformers_and_updates_the_bias():
     spawn(_door_worker, (free_port(),), nprocs=1)
 
 
+def test_door_refuses_what_its_forward_cannot_add_or_would_drop():
+    from ds_compat.glm_door import check_router_features
+    from glm45v_fsdp.errors import UserError
+
+    with torch.device("meta"):
+        model = Glm4vMoeForConditionalGeneration(load_hf_config(ModelConfig()))
+    model.config.text_config.output_router_logits = True  # transformers would add 1e-4 x its router loss
+    with pytest.raises(UserError, match='"aux_loss_type": "transformers", "aux_loss_coef": 0.0001'):
+        check_router_features(load_config(None, []), model, alst=False)
+    same = ["features.router.aux_loss_type=transformers", "features.router.aux_loss_coef=1e-4"]
+    check_router_features(load_config(None, same), model, alst=False)  # asked for in the extension: accepted
+    with pytest.raises(UserError, match="ALST sequence parallelism"):
+        check_router_features(load_config(None, same), model, alst=True)
+    model.forward = lambda **batch: None  # a script's own forward (TRL's fused LM head)
+    with pytest.raises(UserError, match="computes the loss itself"):
+        check_router_features(load_config(None, same), model, alst=False)
+
+
 # 4. Real runs: the figures over EP 2 with EP balance, Ulysses 2 and the --deepspeed door equal one process on the
 # same samples; the bias is bit-identical on every rank and resumes exactly. ------------------------------------------
 STEPS = 4
