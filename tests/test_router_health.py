@@ -265,6 +265,10 @@ def _door_worker(rank: int, port: int) -> None:
     ours, theirs = engine(**inputs), reference(**inputs)
     torch.testing.assert_close(ours.aux_loss, theirs.aux_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=0)
+    reference.config.text_config.output_router_logits = False
+    with torch.no_grad():
+        cross_entropy = reference(**inputs).loss  # the loss without the router's
+    torch.testing.assert_close(ours.loss.detach() - cross_entropy, 0.01 * ours.aux_loss.detach(), rtol=1e-4, atol=0)
     engine.backward(ours.loss)
     engine.step()
     for block in moe_blocks(engine.module):
