@@ -38,6 +38,7 @@ from ds_compat.ds_keys import EXTENSION_KEY
 from ds_compat.extension import section_leaves
 from ds_compat.glm_door import (
     check_autoep_section,
+    check_router_features,
     directly_called,
     forward_replaced,
     is_glm45v,
@@ -67,6 +68,7 @@ from glm45v_fsdp.config import Config, to_dict
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger, setup_logging
 from glm45v_fsdp.lora.peft_model import PeftAdapters, is_peft_model, keep_peft_names, peft_names_of, take_adapters
+from glm45v_fsdp.model.router_health import router_monitor
 from glm45v_fsdp.optim import RecipeSchedule, build_scheduler
 from glm45v_fsdp.parallel.fsdp import DTYPES, apply_fsdp, compute_precision
 from glm45v_fsdp.plans import moe_layer_names
@@ -316,6 +318,8 @@ class DeepSpeedEngine(nn.Module):
                 from_model += lora_overrides(self.peft)
                 old_names = {key: self.peft.names.ours(name) for key, name in old_names.items()}
         self._config = self.translation.apply(Config(), from_model)
+        if self.glm45v:
+            check_router_features(self._config, self.core, self.alst)
         self.dims = build_parallel_dims(self._config.parallel, self.world_size)
         self.meshes = ParallelMeshes(self.dims, self.device_layer.type)
         groups.use_meshes(self.meshes)  # deepspeed.utils.groups answers from this engine's meshes
@@ -398,6 +402,7 @@ class DeepSpeedEngine(nn.Module):
                 scaler=self.loss_scaler,
                 hsdp_root=self.core if isinstance(self.core, FSDPModule) and self.dims.hsdp_enabled else None,
                 on_skip=self._skip_step,
+                router=router_monitor(self.core),  # MoE bias balancing after each step (features.router)
             )
         self.log.info(
             "ds_compat engine: ZeRO stage %d -> FSDP2 %s over %d rank(s); units %s + root; precision %s; "

@@ -27,9 +27,10 @@ from transformers import Glm4vMoeForConditionalGeneration
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ds_compat._common import key_error
+from ds_compat.ds_keys import EXTENSION_KEY
 from ds_compat.zero.partition_parameters import gather_full, is_partitioned
 from glm45v_fsdp.checkpoint.layout import model_tensors
-from glm45v_fsdp.config import FsdpPlanConfig
+from glm45v_fsdp.config import Config, FsdpPlanConfig
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.lora.peft_model import PeftAdapters, peft_base_model
 from glm45v_fsdp.model.hf_forward import Glm4vMoeForScripts
@@ -100,6 +101,46 @@ def forward_replaced(model: nn.Module) -> bool:
     """The script replaced `forward` on the instance (TRL's fused LM head: it runs `model.model` and computes its own
     loss from `lm_head.weight`); our forward and its chunked loss then never run."""
     return "forward" in vars(model)
+
+
+def check_router_features(config: Config, model: nn.Module, alst: bool) -> None:
+    """The extension's auxiliary balance loss (features.router.aux_loss_coef) is added to the loss by our forward:
+    refused where our forward does not compute the loss (a forward replaced on the instance), and under DeepSpeed's
+    ALST loader adapter, whose loss is this rank's slice's alone and whose gradients DeepSpeed averages over the
+    sequence-parallel ranks (a whole-sequence auxiliary loss would be scaled down by their number). A model whose
+    config asks for transformers' router loss (text_config.output_router_logits) must get it from the extension
+    section, which our forward reads, rather than lose it."""
+    router = config.features.router
+    text = model.config.text_config
+    if getattr(text, "output_router_logits", False) and not forward_replaced(model):
+        wanted = text.router_aux_loss_coef
+        if router.aux_loss_type != "transformers" or router.aux_loss_coef != wanted:
+            raise UserError(
+                f"The GLM-4.5V passed to deepspeed.initialize has text_config.output_router_logits=True (transformers "
+                f"then adds router_aux_loss_coef={wanted} x its load-balancing loss), which this backend's forward "
+                f'does not read. Ask for it in the ds_config\'s \'{EXTENSION_KEY}\' section: "features": {{"router": '
+                f'{{"aux_loss_type": "transformers", "aux_loss_coef": {wanted}}}}}, or build the model with '
+                "output_router_logits=False."
+            )
+    coefficient = router.aux_loss_coef
+    if not coefficient:
+        return
+    key = f"DeepSpeed config key '{EXTENSION_KEY}.features.router.aux_loss_coef' = {coefficient}"
+    if forward_replaced(model):
+        raise UserError(
+            f"{key} with a GLM-4.5V whose forward was replaced on the instance "
+            f"({getattr(vars(model)['forward'], '__qualname__', 'a callable')}, e.g. TRL's fused LM head): that "
+            "forward computes the loss itself, so the auxiliary loss our forward adds would never reach it. Use the "
+            "script's own auxiliary loss (TRL: router_aux_loss_coef), or remove the key."
+        )
+    if alst:
+        raise UserError(
+            f"{key} under DeepSpeed's ALST sequence parallelism (deepspeed.initialize with an mpu, e.g. accelerate's "
+            "parallelism_config): each rank's loss is its slice's and DeepSpeed averages the gradients over the "
+            "sequence-parallel ranks, which would divide the auxiliary loss's gradient by their number. Split the "
+            "sequence with the ds_config's sequence_parallel_size instead (the model splits each sequence itself and "
+            "the auxiliary loss is exact there), or remove the key."
+        )
 
 
 # What a script's forward pre-hook calls before the model's forward: ms-swift's GLM-4.5V template embeds input_ids

@@ -246,6 +246,22 @@ class EpBalanceConfig:
 
 
 @dataclass
+class RouterConfig:
+    """MoE router balancing (glm45v_fsdp/model/router_health.py); the router figures are recorded either way."""
+
+    # Aux-loss-free balancing (DeepSeek-V3, GLM-4.5): after every optimizer step each MoE layer's
+    # e_score_correction_bias[i] += rate x sign(mean load - load[i]), from the step's expert load over all ranks.
+    # 0 = off, the default for fine-tuning (the pre-trained bias is kept); DeepSeek-V3 pre-trained with 1e-3.
+    bias_update_rate: float = 0.0
+    # Weight of the auxiliary balance loss added to the training loss; 0 = off.
+    aux_loss_coef: float = 0.0
+    # sequence: DeepSeek-V3's complementary sequence-wise balance loss, per MoE layer and sequence (packed segments
+    # count as sequences); transformers: the loss transformers' GLM-4.5V adds with output_router_logits=True
+    # (Switch-Transformer style: softmax of the router logits, pooled over the MoE layers and the micro batch).
+    aux_loss_type: Literal["sequence", "transformers"] = "sequence"
+
+
+@dataclass
 class FeaturesConfig:
     """Memory and speed switches."""
 
@@ -253,6 +269,7 @@ class FeaturesConfig:
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     activation_offload: ActivationOffloadConfig = field(default_factory=ActivationOffloadConfig)
     ep_balance: EpBalanceConfig = field(default_factory=EpBalanceConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
 
 @dataclass
@@ -859,6 +876,44 @@ def _validate_eval(config: Config) -> None:
             )
 
 
+def _validate_router(config: Config) -> None:
+    router = config.features.router
+    _require(
+        math.isfinite(router.bias_update_rate) and 0 <= router.bias_update_rate < 1,
+        "features.router.bias_update_rate",
+        router.bias_update_rate,
+        "in [0, 1) (0: off; the bias is on the scale of the sigmoid scores in (0, 1): DeepSeek-V3 used 1e-3)",
+    )
+    _require(
+        math.isfinite(router.aux_loss_coef) and router.aux_loss_coef >= 0,
+        "features.router.aux_loss_coef",
+        router.aux_loss_coef,
+        "a finite number >= 0 (0: off; DeepSeek-V3 used 1e-4 for its sequence-wise loss)",
+    )
+    _require(
+        router.aux_loss_coef > 0 or router.aux_loss_type == "sequence",
+        "features.router.aux_loss_type",
+        router.aux_loss_type,
+        "left at 'sequence' while features.router.aux_loss_coef is 0 (no auxiliary loss is computed); set "
+        "features.router.aux_loss_coef > 0 to use it",
+    )
+    if router.bias_update_rate > 0 and config.model.lora.rank > 0:
+        raise ConfigError(
+            f"Config key 'features.router.bias_update_rate' = {router.bias_update_rate} cannot be used with LoRA "
+            f"(model.lora.rank = {config.model.lora.rank}): the routers' e_score_correction_bias is a buffer of the "
+            f"frozen base, which a LoRA run's checkpoints and its PEFT adapter do not carry, so the updated bias "
+            f"would be lost. Set features.router.bias_update_rate=0, or fine-tune without LoRA."
+        )
+    recompute = config.features.recompute
+    if router.aux_loss_coef > 0 and recompute.enabled and recompute.use_reentrant:
+        raise ConfigError(
+            f"Config key 'features.router.aux_loss_coef' = {router.aux_loss_coef} cannot be used with "
+            f"features.recompute.use_reentrant=true: the reentrant checkpoint runs the layers' forward without "
+            f"autograd, so the auxiliary loss would get no gradient. Set features.recompute.use_reentrant=false "
+            f"(the default) or features.router.aux_loss_coef=0."
+        )
+
+
 def validate(config: Config) -> None:
     """Checks that need nothing but the config itself."""
     t, d, p = config.training, config.data, config.parallel
@@ -1005,6 +1060,7 @@ def validate(config: Config) -> None:
                 f"= {p.ep_plan.dispatcher!r}): balance moves tokens between the ranks of an EP group. Set "
                 f"parallel.expert_parallel_size > 1 with dispatcher=alltoall, or features.ep_balance.enabled=false."
             )
+    _validate_router(config)
     _require(bool(p.fsdp_plan.apply_modules), "parallel.fsdp_plan.apply_modules", [], "a non-empty list of patterns")
     _require(
         p.fsdp_plan.unit_mib is None or p.fsdp_plan.unit_mib >= 0,

@@ -137,18 +137,16 @@ def format_eval_line(result: EvalResult, total_steps: int, best: EvalResult) -> 
 @contextlib.contextmanager
 def training_state_kept(model: nn.Module, device: DeviceLayer) -> Iterator[None]:
     """Eval mode and no_grad inside; the training forward's side channels set aside before and put back after:
-    the MoE blocks' routing counts (moe_load_* metrics), the EP dispatchers' balance statistics (ep_load_*), the
-    chunked head's last choice (chunk_size / chunk_count), the random generators, and the training mode."""
+    the EP dispatchers' balance statistics (ep_load_*), the chunked head's last choice (chunk_size / chunk_count),
+    the random generators, and the training mode. The MoE routers' figures (router_health.py) count training
+    forwards only: eval mode keeps the eval's tokens out of them."""
     blocks = moe_blocks(model)
-    loads = [block.load for block in blocks]
     dispatchers = [block.dispatcher for block in blocks if isinstance(block.dispatcher, AllToAllDispatcher)]
     stats = [dispatcher.take_stats() for dispatcher in dispatchers]
     head = model.get_submodule("lm_head")
     choice = getattr(head, "last_choice", None)
     rng = capture_rng(device)
     was_training = model.training
-    for block in blocks:
-        block.load = None
     model.eval()
     try:
         with torch.no_grad():
@@ -156,8 +154,6 @@ def training_state_kept(model: nn.Module, device: DeviceLayer) -> Iterator[None]
     finally:
         model.train(was_training)
         set_rng(rng, device)
-        for block, load in zip(blocks, loads):
-            block.load = load
         for dispatcher, kept in zip(dispatchers, stats):
             dispatcher.stats = kept
         if hasattr(head, "last_choice"):

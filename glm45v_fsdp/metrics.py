@@ -20,7 +20,10 @@ from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
 
 GIB = 1024**3
-TENSORBOARD_GROUPS = ("data/",)  # extra figures under these prefixes are TensorBoard scalars too (data.mixture's)
+TENSORBOARD_GROUPS = (
+    "data/",
+    "router/",
+)  # extra figures under these prefixes are TensorBoard scalars too (data.mixture's, the MoE routers')
 
 
 @dataclass
@@ -63,7 +66,17 @@ def format_line(record: StepRecord, total_steps: int, memory_kind: str) -> str:
     return (
         f"step {record.step}/{total_steps} | loss {record.loss:.6f} | grad norm {record.grad_norm:.4f} | "
         f"lr {record.lr:.3e} | {record.ms_per_iter:.1f} ms/iter | {record.samples_per_s:.2f} samples/s | "
-        f"{record.tokens_per_s:.0f} tokens/s | {memory}{skipped}{_expert_load(record.extra)}"
+        f"{record.tokens_per_s:.0f} tokens/s | {memory}{skipped}{_expert_load(record.extra)}{_router(record.extra)}"
+    )
+
+
+def _router(extra: dict[str, Any]) -> str:
+    """The MoE routers' summary (model/router_health.py): the worst layer's expert load max/mean, dead experts."""
+    if "router/worst_load_max_over_mean" not in extra:
+        return ""
+    return (
+        f" | router max/mean {extra['router/worst_load_max_over_mean']:.2f} (layer "
+        f"{extra['router/worst_load_layer']}), dead {100 * extra['router/dead_fraction']:.1f}%"
     )
 
 

@@ -41,6 +41,7 @@ from glm45v_fsdp.memory.recompute import apply_recompute, kept_inside
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, apply_freeze, materialize
 from glm45v_fsdp.model.init import allocate
 from glm45v_fsdp.model.moe import MoEBlock
+from glm45v_fsdp.model.router_health import attach_router_monitor
 from glm45v_fsdp.module_patterns import PlanMatch, format_matches, match_modules
 from glm45v_fsdp.ops.apply import apply_ops
 from glm45v_fsdp.ops.registry import REFERENCE, choose_ops, log_choice
@@ -146,14 +147,40 @@ class MoEPlan(Plan):
             for name, param in block.named_parameters():  # a script's frozen experts stay frozen
                 param.requires_grad_(name not in frozen)
             setattr(parent, attribute, block)
+        attach_router_monitor(model, matches[0].names, ctx.config.features.router)
         return matches
 
     def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
         text = hf_config.text_config
         return (
             f"our MoE block in {len(_moe_layers(hf_config))} layer(s): fp32 router (top-{text.num_experts_per_tok} of "
-            f"{text.n_routed_experts}), local dispatcher, grouped experts, fp32 combine, shared expert"
+            f"{text.n_routed_experts}), local dispatcher, grouped experts, fp32 combine, shared expert; router figures"
+            f"{_router_balancing(config)}"
         )
+
+    def estimate(
+        self, estimate: ActivationEstimate, config: Config, dims: ParallelDims, hf_config: object, matches: list
+    ) -> None:
+        """The auxiliary balance loss keeps every MoE layer's fp32 router logits until backward."""
+        if config.features.router.aux_loss_coef:
+            text = hf_config.text_config
+            layers = len(_moe_layers(hf_config))
+            estimate.add_term(
+                "router: auxiliary loss",
+                layers * estimate.base.tokens * text.n_routed_experts * 4,
+                f"fp32 router logits [tokens, {text.n_routed_experts}] of {layers} MoE layer(s), kept for backward",
+            )
+
+
+def _router_balancing(config: Config) -> str:
+    """features.router's switches, in words, for the moe plan's line."""
+    router = config.features.router
+    parts = []
+    if router.bias_update_rate:
+        parts.append(f"bias update rate {router.bias_update_rate:g}")
+    if router.aux_loss_coef:
+        parts.append(f"{router.aux_loss_type} aux loss x {router.aux_loss_coef:g}")
+    return f", {' and '.join(parts)}" if parts else ""
 
 
 class OpsPlan(Plan):

@@ -9,6 +9,9 @@
     shards of FSDP2's DTensors (glm45v_fsdp/parallel/local_shards.py: the same figures without DTensor's per-op
     dispatch), unless the loss or the norm is non-finite; then the schedule;
   - a non-finite step is skipped and handed to `on_skip` (the door's policy: count, warn, or stop);
+  - the MoE router monitor's step end (model/router_health.py): with features.router.bias_update_rate, the step's
+    expert load summed over all ranks and each router's e_score_correction_bias updated from it (not after a skipped
+    step);
   - the fp16 loss scaler's update, and zeroing the gradients.
 """
 
@@ -24,6 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from glm45v_fsdp.loss_scale import LossScaler
+from glm45v_fsdp.model.router_health import RouterMonitor
 from glm45v_fsdp.parallel.local_shards import grad_norm, optimizer_step, scale_grads_
 
 
@@ -47,9 +51,11 @@ class OptimizerStep:
         scaler: LossScaler | None = None,
         hsdp_root: FSDPModule | None = None,
         on_skip: SkipHandler | None = None,
+        router: RouterMonitor | None = None,
     ) -> None:
         """`parameters`: the trainable ones, in the order the norm sums them; `hsdp_root`: the FSDP root module of
-        an HSDP model (None otherwise); `on_skip(loss, outcome)` is called for a skipped step."""
+        an HSDP model (None otherwise); `on_skip(loss, outcome)` is called for a skipped step; `router`: the model's
+        router monitor (None without MoE layers)."""
         self.parameters = parameters
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -57,6 +63,7 @@ class OptimizerStep:
         self.scaler = scaler
         self.hsdp_root = hsdp_root
         self.on_skip = on_skip
+        self.router = router
         self.post_backward_hooks: list[Callable[[], None]] = []
 
     @property
@@ -89,6 +96,8 @@ class OptimizerStep:
                 self.scheduler.step(**(scheduler_kwargs or {}))
         elif self.on_skip is not None:
             self.on_skip(loss, outcome)
+        if self.router is not None:
+            self.router.end_step(stepped)
         if self.scaler is not None:
             self.scaler.update(overflow=not stepped)
         self.optimizer.zero_grad(set_to_none=True)

@@ -40,7 +40,8 @@ from glm45v_fsdp.metrics import (
     previous_run,
     summarize,
 )
-from glm45v_fsdp.model.moe import moe_blocks, moe_load_figures, take_moe_counts
+from glm45v_fsdp.model.moe import moe_blocks
+from glm45v_fsdp.model.router_health import router_monitor
 from glm45v_fsdp.optim import OptimizerRecipe, build_optimizer, build_scheduler, recipe_from_training
 from glm45v_fsdp.parallel.expert import balance_metrics
 from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
@@ -101,6 +102,7 @@ class Trainer:
         self.scaler = LossScaler(training.loss_scale) if fp16 else None
         if self.scaler is not None:
             self.log.info("fp16: %s", self.scaler.describe())
+        self.router = router_monitor(model)  # MoE router figures and balancing (model/router_health.py)
         self.step_runner = OptimizerStep(
             self.parameters,
             self.optimizer,
@@ -109,6 +111,7 @@ class Trainer:
             scaler=self.scaler,
             hsdp_root=model if is_sharded(model) and runtime.dims.hsdp_enabled else None,
             on_skip=self._skip_step,
+            router=self.router,
         )
         self.sequence_layout = model.sequence_layout  # CP: how each micro batch's sequence lies over the ranks
         self.moe_blocks = moe_blocks(model)
@@ -292,14 +295,14 @@ class Trainer:
         return packed.tolist()
 
     def _gather_rank_figures(
-        self, figures: list[float], moe_counts: torch.Tensor | None
+        self, figures: list[float], to_sum: torch.Tensor | None
     ) -> tuple[list[list[float]], torch.Tensor | None]:
-        """Every rank's per-step figures (step ms, peak memory, data ms) and the MoE routing counts summed over the
-        ranks, in one all-gather."""
+        """Every rank's per-step figures (step ms, peak memory, data ms) and `to_sum` (the router statistics) summed
+        over the ranks, in one all-gather."""
         device = self.runtime.torch_device
         mine = torch.tensor(figures, dtype=torch.float64, device=device)
-        if moe_counts is not None:
-            mine = torch.cat([mine, moe_counts.flatten().to(device, torch.float64)])
+        if to_sum is not None:
+            mine = torch.cat([mine, to_sum.flatten().to(device, torch.float64)])
         world = self.runtime.env.world_size
         gathered = [mine]
         skip = self.fault is not None and self.fault.hits("skip_collective", self.runtime.env.rank, self.step - 1)
@@ -312,9 +315,9 @@ class Trainer:
             )
             gathered = [mine] * world
         per_rank = [[float(g[index]) for g in gathered] for index in range(len(figures))]
-        if moe_counts is None:
+        if to_sum is None:
             return per_rank, None
-        return per_rank, torch.stack(gathered)[:, len(figures) :].sum(dim=0).view_as(moe_counts)
+        return per_rank, torch.stack(gathered)[:, len(figures) :].sum(dim=0).view_as(to_sum)
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[float, float, int, bool]:
         """One optimizer step over the accumulation micro batches. Returns (loss, grad norm, tokens, skipped)."""
@@ -339,7 +342,13 @@ class Trainer:
             scale = micro_loss_scale(training.loss_type, valid, global_valid_tensor, accumulation, self.runtime.dp_size)
             if self.fault is not None:  # GLM45V_FAULT=R:S:nan
                 scale = scale * self.fault.loss_factor(self.runtime.env.rank, self.step + 1)
-            (ce_sum * (scale * loss_scale)).backward()
+            objective = ce_sum * (scale * loss_scale)
+            aux = self.router.take_aux_loss() if self.router is not None else None
+            if aux is not None:  # features.router.aux_loss_coef: averaged over the micro batches and the DP ranks
+                objective = objective + aux * (
+                    self.router.aux_loss_coef * loss_scale / (accumulation * self.runtime.dp_size)
+                )
+            objective.backward()
             report_loss += (ce_sum.detach() * scale).double()
         self.sequence_layout.reduce(report_loss)  # CP: each rank holds the CE of its part of the sequence
         loss, tokens = self._dp_all_reduce([report_loss, local_tokens])
@@ -423,8 +432,13 @@ class Trainer:
         self.step += 1
         self.consumed_samples += self.global_batch_size
         preempting = 1.0 if self.preemption.signal is not None else 0.0
-        figures, moe_counts = self._gather_rank_figures(
-            [ms, self.meter.peak_bytes() / GIB, data_ms, preempting], take_moe_counts(self.moe_blocks)
+        training = self.config.training
+        router_report = self.router is not None and (
+            self.step % training.log_interval == 0 or self.step == training.train_iters
+        )  # the router figures of the log interval, over all ranks
+        figures, router_sums = self._gather_rank_figures(
+            [ms, self.meter.peak_bytes() / GIB, data_ms, preempting],
+            self.router.interval_stats() if router_report else None,
         )
         ms_ranks, mem_ranks, data_ranks, preempting_ranks = figures
         self.preempted_ranks = [rank for rank, flag in enumerate(preempting_ranks) if flag]
@@ -451,7 +465,7 @@ class Trainer:
                 **self._chunk_metrics(),
                 **self._offload_metrics(),
                 **self._loss_scale_metrics(),
-                **moe_load_figures(moe_counts),
+                **(self.router.take_figures(router_sums) if router_report else {}),
                 **balance_metrics(self.moe_blocks, self.runtime.torch_device),
                 **self.mixture.take(),
             },

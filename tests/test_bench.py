@@ -499,3 +499,39 @@ def test_lora_bench_runs_both_configurations_alternating_and_counts_the_optimize
     assert result["saving_max_pct"] == pytest.approx(50.0) and result["speedup"] == pytest.approx(1.5)
     versus = result["vs_deepspeed"]
     assert versus["speed_ratio"] == pytest.approx(4.0) and versus["pass"] and versus["loss_mean_rel_err"] == 0.0
+
+
+def test_router_bench_compares_balancing_against_none_from_the_router_figures(tmp_path, monkeypatch):
+    """The three runs and their commands, the start / end figures read from the router reports, and the verdict
+    (the bias run must end below no balancing and below its own start). The runs are faked (no processes)."""
+    from glm45v_fsdp.bench import runner as bench_runner
+    from glm45v_fsdp.tools import bench
+
+    commands = {}
+    worst = {"off": [4.0, 5.0, 6.0, 7.0], "bias": [4.0, 3.0, 2.0, 1.5], "aux": [4.0, 4.5, 5.0, 6.0]}
+
+    def fake_execute(name, command, output_dir, timeout, threads=None, bench="bench router", records=True):
+        commands[name] = command
+        reports = []
+        for index, figure in enumerate(worst[name]):
+            record = {"step": 10 * (index + 1), "loss": 5.0 - index, "router/worst_load_max_over_mean": figure,
+                      "router/dead_fraction": 0.5 / (index + 1), "router/layer1/entropy": 0.9,
+                      "router/layer2/entropy": 0.8 + index / 100}  # fmt: skip
+            if name == "bias":
+                record["router/bias_max_abs"] = 0.01 * (index + 1)
+            reports.append(record)
+        return reports, 1.0, 2.0
+
+    monkeypatch.setattr(bench_runner, "execute", fake_execute)
+    argv = ["router", "--steps", "40", "--interval", "10", "--tail-intervals", "2", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert list(commands) == ["off", "bias", "aux"]
+    assert "features.router.bias_update_rate=0.001" in commands["bias"] and "model.router_skew=0.1" in commands["off"]
+    assert "features.router.aux_loss_coef=0.01" in commands["aux"]
+    assert not any(item.startswith("features.router") for item in commands["off"])
+    runs = json.loads((tmp_path / "router.json").read_text())["runs"]
+    assert runs["off"]["max_over_mean"] == [4.0, 6.5] and runs["bias"]["max_over_mean"] == [4.0, 1.75]
+    assert runs["bias"]["entropy_min"][0] == 0.8 and runs["bias"]["bias_max_abs"] == 0.04
+    assert runs["bias"]["pass"] and runs["bias"]["result"].startswith("pass: 73% below off")
+    assert runs["aux"]["result"] == "reported (0.85x off)"  # below off, but above its own start
+    assert "| bias | 4.000 → 1.750 |" in (tmp_path / "router.md").read_text()

@@ -75,6 +75,12 @@ def test_overrides_merge_onto_yaml_dicts(tmp_path):
         ("features.ep_balance.enabled=true", "needs expert parallelism with the alltoall dispatcher"),
         ("parallel.ep_plan.dispatcher=broadcast", "is not one of ['alltoall', 'allgather']"),
         ("model.router_skew=-1", "'model.router_skew' = -1.0 is invalid"),
+        ("features.router.bias_update_rate=-0.001", "'features.router.bias_update_rate' = -0.001 is invalid"),
+        ("features.router.bias_update_rate=1", "in [0, 1)"),
+        ("features.router.aux_loss_coef=-1", "'features.router.aux_loss_coef' = -1.0 is invalid"),
+        ("features.router.aux_loss_coef=.nan", "a finite number >= 0"),
+        ("features.router.aux_loss_type=switch", "is not one of ['sequence', 'transformers']"),
+        ("features.router.aux_loss_type=transformers", "set features.router.aux_loss_coef > 0"),
         ("data.dataset=json", "'data.data_path' = None is invalid"),
     ],
 )
@@ -82,6 +88,27 @@ def test_bad_values_name_the_key(override, expected):
     with pytest.raises(UserError, match=None) as info:
         load_config(None, [override])
     assert expected in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["features.router.bias_update_rate=0.001", "model.lora.rank=8"], "a LoRA run's checkpoints and its PEFT"),
+        (
+            [
+                "features.router.aux_loss_coef=0.01",
+                "features.recompute.enabled=true",
+                "features.recompute.use_reentrant=true",
+            ],
+            "the auxiliary loss would get no gradient",
+        ),
+    ],
+)
+def test_router_balancing_refuses_what_it_cannot_do(overrides, expected):
+    with pytest.raises(UserError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert expected in message and ("bias_update_rate=0" in message or "aux_loss_coef=0" in message), message
 
 
 def test_an_unknown_key_names_the_closest_few_not_every_key():
@@ -158,6 +185,7 @@ def test_every_enum_value_reads_as_written_from_files_and_overrides(tmp_path):
         ("training.load_format", "hf"): ["training.load=ckpt"],
         ("training.load_format", "dcp"): ["training.load=ckpt"],
         ("training.load_format", "deepspeed"): ["training.load=ckpt"],
+        ("features.router.aux_loss_type", "transformers"): ["features.router.aux_loss_coef=0.01"],
     }
     for key, choices in keys:
         for choice in choices:

@@ -164,21 +164,22 @@ class _TinyMoE(nn.Module):
         self.dropout = nn.Dropout(0.5)
 
 
-def test_training_state_kept_sets_aside_routing_counts_rng_and_mode():
+def test_training_state_kept_keeps_routing_out_and_restores_rng_and_mode():
     torch.manual_seed(0)
     model = _TinyMoE()
     for tensor in [*model.parameters(), *model.buffers()]:
         nn.init.normal_(tensor, std=0.1)
     hidden = torch.randn(5, model.moe.gate.weight.shape[1])
+    observed = []  # what the router monitor would count (router_health.py)
+    model.moe.observer = lambda logits, expert_ids, rows: observed.append(expert_ids.shape[0])
     model.moe(hidden)
-    counts = model.moe.load.clone()
+    assert observed == [5]
     expected = torch.get_rng_state()
     with training_state_kept(model, DeviceLayer("cpu", "gloo")):
         assert not model.training and not model.dropout.training and not torch.is_grad_enabled()
-        assert model.moe.load is None  # the eval's routing starts from nothing ...
-        model.moe(hidden)
-        torch.rand(3)  # ... and draws random numbers
-    assert torch.equal(model.moe.load, counts)  # the step's counts as they were
+        model.moe(hidden)  # the eval's routing is not observed ...
+        torch.rand(3)  # ... and its random numbers are not drawn from training's stream
+    assert observed == [5]
     assert torch.equal(torch.get_rng_state(), expected)
     assert model.training and torch.is_grad_enabled()
 
@@ -299,9 +300,8 @@ def test_an_eval_changes_nothing_training_records(runs):
     assert len(evals(runs["side eval"][1])) == 3 and len(evals(runs["side no eval"][1])) == 1
     assert len(with_eval) == len(without) == 3
     for record in with_eval:  # the side channels are there to be compared
-        assert {"moe_load_cv", "ep_load_max_over_mean_before", "ep_replicas", "chunk_size", "offload_tensors"} <= set(
-            record
-        )
+        assert {"ep_load_max_over_mean_before", "ep_replicas", "chunk_size", "offload_tensors"} <= set(record)
+    assert "router/worst_load_max_over_mean" in with_eval[-1]  # the routers' figures, at the log steps
     assert with_eval[-1]["loss"] < with_eval[0]["loss"]  # it trains
     assert max(r["ep_replicas"] for r in with_eval) > 0  # balance ran
     for record, reference in zip(with_eval, without):

@@ -1,15 +1,15 @@
-"""Our MoE block (model/moe.py) against transformers' Glm4vMoeTextMoE, the MoE plan, and the routing statistics."""
+"""Our MoE block (model/moe.py) against transformers' Glm4vMoeTextMoE, and the MoE plan (the routing statistics:
+tests/test_router_health.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMoE
 
 from glm45v_fsdp.config import ModelConfig, load_config
 from glm45v_fsdp.model import build_meta_model, load_hf_config
-from glm45v_fsdp.model.moe import GroupedExperts, MoEBlock, moe_load_figures, take_moe_counts
+from glm45v_fsdp.model.moe import GroupedExperts, MoEBlock
 from glm45v_fsdp.ops.kernels import torch_grouped_mm
 from glm45v_fsdp.plans import MoEPlan, PlanContext
 from glm45v_fsdp.runtime import ParallelDims, select_device
@@ -90,25 +90,6 @@ def test_zero_tokens_in_a_micro_batch_slice():
     (output.sum() + 0 * sum(p.sum() for p in block.parameters())).backward()
     assert output.shape == (1, 0, TEXT.hidden_size)
     assert torch.count_nonzero(block.experts.gate_up_proj.grad) == 0
-
-
-def test_load_counts_forwards_but_not_the_recomputation():
-    block = ours_like(reference_block(), "grouped_mm")
-    hidden = torch.randn(2, 16, TEXT.hidden_size, requires_grad=True)
-    _, _, expert_ids = block.gate(hidden.view(-1, TEXT.hidden_size))
-    expected = torch.bincount(expert_ids.reshape(-1), minlength=TEXT.n_routed_experts)
-    checkpoint(block, hidden, use_reentrant=False).sum().backward()  # forward, then again inside backward
-    assert torch.equal(block.take_load(), expected)
-    assert torch.equal(block.take_load(), torch.zeros_like(expected))  # taken: reset
-
-
-def test_load_metrics_by_hand():
-    blocks = [ours_like(reference_block(), "loop") for _ in range(2)]
-    blocks[0].load = torch.tensor([4, 4, 4, 4, 4, 4, 4, 4])  # even: CV 0, max/mean 1
-    blocks[1].load = torch.tensor([8, 0, 8, 0, 8, 0, 8, 0])  # CV 1, max/mean 2
-    metrics = moe_load_figures(take_moe_counts(blocks))
-    assert metrics == {"moe_load_cv": pytest.approx(0.5), "moe_load_max_over_mean": pytest.approx(1.5)}
-    assert blocks[0].load is None and moe_load_figures(take_moe_counts([])) == {}
 
 
 def test_moe_plan_replaces_every_moe_layer_and_keeps_the_names():

@@ -44,6 +44,7 @@ from glm45v_fsdp.model.loss import (
     model_loss_sum_and_logits,
     with_video_frames,
 )
+from glm45v_fsdp.model.router_health import observed_routing, router_monitor
 
 # Keyword arguments transformers' forward takes that change nothing in a training forward without a cache.
 _NEUTRAL = {"use_cache", "return_dict", "output_attentions", "output_hidden_states", "cache_position", "rope_deltas"}
@@ -103,11 +104,12 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
         if inputs_embeds is not None:
             images = pixel_values is not None or pixel_values_videos is not None
             _check_embedded(input_ids, images, position_ids, labels, shift_labels, self.sequence_layout)
-            hidden = self.model(
-                inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-            ).last_hidden_state
+            embedded = {"inputs_embeds": inputs_embeds, "attention_mask": attention_mask, "position_ids": position_ids}
+            with observed_routing(self, embedded, self.sequence_layout):
+                hidden = self.model(**embedded, use_cache=False).last_hidden_state
             targets = shift_labels if shift_labels is not None else shifted(labels)
-            return _output(*lm_loss_sum_and_logits(hidden, self.lm_head, targets), num_items_in_batch)
+            loss_sum, count, logits = lm_loss_sum_and_logits(hidden, self.lm_head, targets)
+            return _output(loss_sum, count, logits, num_items_in_batch, self._aux_loss())
         if input_ids is None:
             raise UserError("The GLM-4.5V training forward needs input_ids (the model was called without them).")
         batch = {
@@ -128,9 +130,12 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
                     f"({layout.describe()}): each rank holds a part of the sequence, so this forward returns only a "
                     "loss. Pass labels, or run the forward without sequence_parallel_size."
                 )
-            batch = layout.pad(with_video_frames(batch))
-            hidden = forward_hidden(self, batch, layout.encode_images(self, batch))
-            return CausalLMOutput(logits=self.lm_head(hidden).float())
+            batch = with_video_frames(batch)
+            with observed_routing(self, batch, layout):
+                batch = layout.pad(batch)
+                hidden = forward_hidden(self, batch, layout.encode_images(self, batch))
+            aux = self._aux_loss()
+            return CausalLMOutput(logits=self.lm_head(hidden).float(), aux_loss=aux[0] if aux is not None else None)
         layout = self.sequence_layout
         local_targets = _sliced_targets(shift_labels, input_ids, layout)
         if local_targets is not None:  # DeepSpeed's ALST adapter sliced them: this slice's loss, as DeepSpeed's
@@ -142,7 +147,19 @@ class Glm4vMoeForScripts(Glm4vMoeForTraining):
             if layout.size > 1:
                 loss_sum = _whole_sequence_value(loss_sum, layout)
                 logits = None
-        return _output(loss_sum, count, logits, num_items_in_batch)
+        return _output(loss_sum, count, logits, num_items_in_batch, self._aux_loss())
+
+    def _aux_loss(self) -> tuple[torch.Tensor, float] | None:
+        """features.router.aux_loss_coef: (the auxiliary balance loss of this forward, its coefficient), with the
+        whole sequence's value under CP (each rank's part summed over the group) and this rank's part's gradient;
+        None when off."""
+        monitor = router_monitor(self)
+        aux = monitor.take_aux_loss() if monitor is not None else None
+        if aux is None:
+            return None
+        if self.sequence_layout.size > 1:
+            aux = _whole_sequence_value(aux, self.sequence_layout)
+        return aux, monitor.aux_loss_coef
 
 
 def _output(
@@ -150,12 +167,17 @@ def _output(
     count: torch.Tensor,
     logits: torch.Tensor | None,
     num_items_in_batch: torch.Tensor | int | None,
+    aux: tuple[torch.Tensor, float] | None = None,
 ) -> CausalLMOutput:
-    """transformers' loss: the CE sum over the supervised tokens, or over `num_items_in_batch` when given."""
+    """transformers' loss: the CE sum over the supervised tokens, or over `num_items_in_batch` when given; plus, as
+    transformers adds its router loss, coefficient x `aux` (returned as `aux_loss`)."""
     divisor = count if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(divisor):
         divisor = divisor.to(loss_sum.device)
-    return CausalLMOutput(loss=loss_sum / divisor, logits=logits)
+    if aux is None:
+        return CausalLMOutput(loss=loss_sum / divisor, logits=logits)
+    aux_loss, coefficient = aux
+    return CausalLMOutput(loss=loss_sum / divisor + coefficient * aux_loss, aux_loss=aux_loss, logits=logits)
 
 
 def _check_embedded(

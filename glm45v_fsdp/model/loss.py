@@ -23,6 +23,7 @@ from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.data.vocab import IGNORE_INDEX, frame_grids, shift_labels
 from glm45v_fsdp.errors import UserError
+from glm45v_fsdp.model.router_health import observed_routing
 
 # Collated batch keys passed to Glm4vMoeModel.forward when present; bookkeeping keys are ignored.
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
@@ -188,8 +189,10 @@ def model_loss_sum_and_logits(
     `local_targets`: this rank's slice of the shifted targets, given already sliced (DeepSpeed's ALST loader adapter);
     the count is then this slice's supervised tokens."""
     layout = model.sequence_layout
-    batch = layout.pad(with_video_frames(batch))
-    hidden = forward_hidden(model, batch, layout.encode_images(model, batch))
+    batch = with_video_frames(batch)
+    with observed_routing(model, batch, layout):
+        batch = layout.pad(batch)
+        hidden = forward_hidden(model, batch, layout.encode_images(model, batch))
     if local_targets is None:
         targets = batch["shift_labels"] if batch.get("shift_labels") is not None else shift_labels(batch["labels"])
         local_targets = layout.shard(targets, dim=1)

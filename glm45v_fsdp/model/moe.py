@@ -19,13 +19,13 @@ The pairs are ordered by expert, then top-k slot, then token: the order transfor
 fp32 the block equals transformers' bit for bit (forward and gradients). An expert that receives no token computes
 nothing and gets an exactly zero gradient.
 
-Routing statistics: every forward (not the recomputation of a checkpointed forward in backward) adds its tokens per
-expert to `MoEBlock.load`; `moe_load_figures` turns the step's counts of all layers (summed over the ranks) into two
-figures.
+Routing statistics: a training forward hands the router's logits and chosen experts to the block's `observer`, the
+router monitor of glm45v_fsdp/model/router_health.py (per-layer figures, bias balancing, auxiliary loss).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -298,47 +298,19 @@ class MoEBlock(nn.Module):
             config=config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts
         )
         self.dispatcher: TokenDispatcher = LocalDispatcher(config.n_routed_experts)
-        self.load: torch.Tensor | None = None  # tokens per expert since the last `take_load`
+        # observer(router logits [T, E], expert ids [T, k], rows): the router monitor (router_health.py)
+        self.observer: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.view(-1, hidden.shape[-1])
-        _, weights, expert_ids = self.gate(flat)
-        if not in_backward():
-            counts = torch.bincount(expert_ids.reshape(-1), minlength=self.gate.num_experts)
-            self.load = counts if self.load is None else self.load + counts
+        logits, weights, expert_ids = self.gate(flat)
+        if self.observer is not None and self.training:
+            self.observer(logits, expert_ids, hidden.shape[0] if hidden.dim() == 3 else 1)
         dispatched = self.dispatcher.dispatch(flat, expert_ids, weights)
         expert_out = self.experts(dispatched.rows, dispatched.counts, dispatched.extra)
         routed = self.dispatcher.combine(expert_out, dispatched)
         return routed.view(hidden.shape) + self.shared_experts(hidden)
 
-    def take_load(self) -> torch.Tensor:
-        """Tokens per expert routed since the last call (zeros if none), then reset."""
-        load = self.load if self.load is not None else torch.zeros(self.gate.num_experts, dtype=torch.long)
-        self.load = None
-        return load
-
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return [module for module in model.modules() if isinstance(module, MoEBlock)]
-
-
-def take_moe_counts(blocks: list[MoEBlock]) -> torch.Tensor | None:
-    """This rank's tokens per expert of the step, [layers, experts] in float64 (None without MoE layers); resets the
-    blocks' counts. Sum them over the ranks before `moe_load_figures`."""
-    if not blocks:
-        return None
-    return torch.stack([block.take_load() for block in blocks]).double()
-
-
-def moe_load_figures(counts: torch.Tensor | None) -> dict[str, float]:
-    """The step's routing balance from the [layers, experts] counts of all ranks: `moe_load_cv` = mean over layers of
-    the coefficient of variation of tokens per expert; `moe_load_max_over_mean` = mean over layers of (busiest
-    expert's tokens / mean tokens per expert)."""
-    if counts is None:
-        return {}
-    mean = counts.mean(dim=1).clamp(min=1e-12)
-    cv = counts.std(dim=1, correction=0) / mean
-    return {
-        "moe_load_cv": float(cv.mean()),
-        "moe_load_max_over_mean": float((counts.max(dim=1).values / mean).mean()),
-    }

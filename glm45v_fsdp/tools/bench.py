@@ -1,6 +1,6 @@
 """Benchmarks. `python -m glm45v_fsdp.tools.bench SUBCOMMAND [options] [overrides]`, SUBCOMMAND one of
-overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops|checkpoint|lora; every one but overhead runs through
-bench/runner.py.
+overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops|checkpoint|lora|router; every one but overhead runs
+through bench/runner.py.
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -37,6 +37,9 @@ checkpoint: a run that saves at every step: the share of each save its checksums
 
 lora: LoRA (attention + routed experts) against full fine-tuning on the same layout: peak memory per rank, optimizer
 state, ms/step, alternating rounds (bench/lora.py).
+
+router: MoE router balancing under a skewed router, 200 steps each: no balancing, the aux-loss-free bias update and
+the auxiliary loss; the worst layer's expert load max/mean and dead experts at the start and the end (bench/router.py).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.bench import checkpoint, deepspeed_api, door, ep, longest, lora, matrix, memory, parity
+from glm45v_fsdp.bench import checkpoint, deepspeed_api, door, ep, longest, lora, matrix, memory, parity, router
 from glm45v_fsdp.errors import UserError
 
 
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parity.add_parser(sub)
     checkpoint.add_parser(sub)
     lora.add_parser(sub)
+    router.add_parser(sub)
     add_ops_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -109,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             return checkpoint.main_checkpoint(args, argv)
         if args.benchmark == "lora":
             return lora.main_lora(args, argv)
+        if args.benchmark == "router":
+            return router.main_router(args, argv)
         if args.benchmark == "ops":
             from glm45v_fsdp.bench.ops import main_ops
 
