@@ -43,7 +43,7 @@ from glm45v_fsdp.metrics import (
 from glm45v_fsdp.model.moe import moe_blocks
 from glm45v_fsdp.model.router_health import router_monitor
 from glm45v_fsdp.optim import OptimizerRecipe, build_optimizer, build_scheduler, recipe_from_training
-from glm45v_fsdp.parallel.expert import balance_metrics
+from glm45v_fsdp.parallel.expert import BalanceFigures
 from glm45v_fsdp.parallel.fsdp import compute_precision, is_sharded
 from glm45v_fsdp.runtime import MemoryMeter
 from glm45v_fsdp.runtime.faults import Fault
@@ -156,6 +156,7 @@ class Trainer:
             runtime.dp_size,
         )
         self.offload = find_offload_runtime(model)  # activation offload's per-step figures (None when off)
+        self.ep_balance = BalanceFigures(self.moe_blocks)  # expert parallelism's EP rank load (idle without EP)
         self.mixture = MixtureFigures(loader, model, runtime)  # data.mixture's per-source figures (idle when off)
         self.evaluator = (
             Evaluator(training, runtime, model, eval_batches, self.precision, self._dp_all_reduce)
@@ -295,14 +296,15 @@ class Trainer:
         return packed.tolist()
 
     def _gather_rank_figures(
-        self, figures: list[float], to_sum: torch.Tensor | None
-    ) -> tuple[list[list[float]], torch.Tensor | None]:
-        """Every rank's per-step figures (step ms, peak memory, data ms) and `to_sum` (the router statistics) summed
-        over the ranks, in one all-gather."""
+        self, figures: list[float], to_sum: list[torch.Tensor | None]
+    ) -> tuple[list[list[float]], list[torch.Tensor | None]]:
+        """Every rank's per-step figures (step ms, peak memory, data ms, ...) and each tensor of `to_sum` (the router
+        statistics, EP balance figures, a mixture's per-source sums; None: none this step) summed over the ranks,
+        in one all-gather."""
         device = self.runtime.torch_device
-        mine = torch.tensor(figures, dtype=torch.float64, device=device)
-        if to_sum is not None:
-            mine = torch.cat([mine, to_sum.flatten().to(device, torch.float64)])
+        parts = [torch.tensor(figures, dtype=torch.float64, device=device)]
+        parts += [part.flatten().to(device, torch.float64) for part in to_sum if part is not None]
+        mine = torch.cat(parts)
         world = self.runtime.env.world_size
         gathered = [mine]
         skip = self.fault is not None and self.fault.hits("skip_collective", self.runtime.env.rank, self.step - 1)
@@ -315,9 +317,15 @@ class Trainer:
             )
             gathered = [mine] * world
         per_rank = [[float(g[index]) for g in gathered] for index in range(len(figures))]
-        if to_sum is None:
-            return per_rank, None
-        return per_rank, torch.stack(gathered)[:, len(figures) :].sum(dim=0).view_as(to_sum)
+        sums = torch.stack(gathered).sum(dim=0)
+        summed, offset = [], len(figures)
+        for part in to_sum:
+            if part is None:
+                summed.append(None)
+                continue
+            summed.append(sums[offset : offset + part.numel()].view_as(part))
+            offset += part.numel()
+        return per_rank, summed
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[float, float, int, bool]:
         """One optimizer step over the accumulation micro batches. Returns (loss, grad norm, tokens, skipped)."""
@@ -436,9 +444,13 @@ class Trainer:
         router_report = self.router is not None and (
             self.step % training.log_interval == 0 or self.step == training.train_iters
         )  # the router figures of the log interval, over all ranks
-        figures, router_sums = self._gather_rank_figures(
+        figures, (router_sums, balance_sums, mixture_sums) = self._gather_rank_figures(
             [ms, self.meter.peak_bytes() / GIB, data_ms, preempting],
-            self.router.interval_stats() if router_report else None,
+            [
+                self.router.interval_stats() if router_report else None,
+                self.ep_balance.local_sums(),
+                self.mixture.local_sums(),
+            ],
         )
         ms_ranks, mem_ranks, data_ranks, preempting_ranks = figures
         self.preempted_ranks = [rank for rank, flag in enumerate(preempting_ranks) if flag]
@@ -466,8 +478,8 @@ class Trainer:
                 **self._offload_metrics(),
                 **self._loss_scale_metrics(),
                 **(self.router.take_figures(router_sums) if router_report else {}),
-                **balance_metrics(self.moe_blocks, self.runtime.torch_device),
-                **self.mixture.take(),
+                **self.ep_balance.figures(balance_sums, self.runtime.env.world_size),
+                **self.mixture.figures(mixture_sums),
             },
         )
         self.records.append(record)

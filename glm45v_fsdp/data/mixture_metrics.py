@@ -10,7 +10,8 @@
 The counts come from the collated micro batches (`sample_sources`, `source_ids`); the cross-entropy from the
 training forward's per-position losses (model/loss.py keep_token_losses), split by the source ids that the sequence
 layout lays over the ranks as it lays the targets (padding, context-parallel slices), so they hold under packing,
-the chunked loss and context parallelism alike. The loss that trains is computed exactly as without them.
+the chunked loss and context parallelism alike. The loss that trains is computed exactly as without them. The
+trainer sums each rank's `local_sums` over the ranks in its per-step all-gather (no collective of its own).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -65,15 +65,20 @@ class MixtureFigures:
         bins = layout.shard(padded, dim=1).to(self.device).reshape(-1) + 1
         self._losses.index_add_(0, bins, losses.reshape(-1).to(torch.float64))
 
-    def take(self) -> dict[str, float]:
-        """The step's figures summed over every rank (one all-reduce), then reset; {} when idle."""
+    def local_sums(self) -> torch.Tensor | None:
+        """This rank's counts and cross-entropy sums of the step (then reset), to be summed over every rank and
+        handed to `figures`; None when idle."""
         if self.stream is None:
-            return {}
+            return None
         packed = torch.cat([self._counts.to(self.device).flatten(), self._losses[1:]])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(packed)
         self._counts.zero_()
         self._losses.zero_()
+        return packed
+
+    def figures(self, packed: torch.Tensor | None) -> dict[str, float]:
+        """The step's per-source figures from `local_sums` summed over every rank; {} when idle."""
+        if packed is None:
+            return {}
         names = self.stream.names
         counts = packed[: len(FIGURES) * len(names)].view(len(FIGURES), len(names)).tolist()
         losses = packed[len(FIGURES) * len(names) :].tolist()

@@ -298,31 +298,47 @@ def expert_sharded_modules(model: nn.Module) -> list[str]:
     ]
 
 
-def balance_metrics(blocks: list[MoEBlock], device: torch.device) -> dict[str, float | list[float]]:
+class BalanceFigures:
     """EP rank load over the step: max/mean and coefficient of variation of the pairs each EP rank computed, before
-    and after balance (mean over MoE layers, then over the EP groups: one all-reduce), the replicas run and the MiB
-    their weights moved (summed over layers, mean over groups), and the per-EP-rank pairs of rank 0's group (summed
-    over layers). Collective over all ranks when distributed; resets the dispatchers' counts."""
-    dispatchers = [block.dispatcher for block in blocks if isinstance(block.dispatcher, AllToAllDispatcher)]
-    if not dispatchers:
-        return {}
-    stats = [dispatcher.take_stats() for dispatcher in dispatchers]
-    stats = [s for s in stats if s.forwards]
-    if not stats:
-        return {}
-    names, figures = [], []
-    for when in ("before", "after"):
-        loads = torch.stack([getattr(s, when) for s in stats])  # [layers, ep ranks]
-        mean = loads.mean(dim=1).clamp(min=1e-12)
-        names += [f"ep_load_max_over_mean_{when}", f"ep_load_cv_{when}"]
-        figures += [(loads.max(dim=1).values / mean).mean(), (loads.std(dim=1, correction=0) / mean).mean()]
-    names += ["ep_replicas", "ep_replica_mib"]
-    figures += [sum(s.replicas for s in stats), sum(s.replica_bytes for s in stats) / 2**20]
-    means = torch.tensor([float(f) for f in figures], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(means)
-        means /= dist.get_world_size()
-    result: dict[str, float | list[float]] = dict(zip(names, means.tolist()))
-    result["ep_load_per_rank_before"] = sum(s.before for s in stats).tolist()
-    result["ep_load_per_rank_after"] = sum(s.after for s in stats).tolist()
-    return result
+    and after balance (mean over MoE layers, then over all ranks), the replicas run and the MiB their weights moved
+    (summed over layers, mean over ranks), and the per-EP-rank pairs of this rank's group (summed over layers).
+
+    `local_sums` takes (and resets) the dispatchers' counts of the step as this rank's figures; the trainer sums
+    them over the ranks in its per-step all-gather and hands the sums to `figures`."""
+
+    NAMES = (
+        "ep_load_max_over_mean_before",
+        "ep_load_cv_before",
+        "ep_load_max_over_mean_after",
+        "ep_load_cv_after",
+        "ep_replicas",
+        "ep_replica_mib",
+    )
+
+    def __init__(self, blocks: list[MoEBlock]) -> None:
+        self.dispatchers = [block.dispatcher for block in blocks if isinstance(block.dispatcher, AllToAllDispatcher)]
+        self.per_rank: dict[str, list[float]] = {}
+
+    def local_sums(self) -> torch.Tensor | None:
+        """This rank's figures of the step (NAMES order); None without an all-to-all dispatcher or a forward."""
+        stats = [dispatcher.take_stats() for dispatcher in self.dispatchers]
+        stats = [s for s in stats if s.forwards]
+        if not stats:
+            return None
+        figures = []
+        for when in ("before", "after"):
+            loads = torch.stack([getattr(s, when) for s in stats])  # [layers, ep ranks]
+            mean = loads.mean(dim=1).clamp(min=1e-12)
+            figures += [(loads.max(dim=1).values / mean).mean(), (loads.std(dim=1, correction=0) / mean).mean()]
+        figures += [sum(s.replicas for s in stats), sum(s.replica_bytes for s in stats) / 2**20]
+        self.per_rank = {
+            f"ep_load_per_rank_{when}": sum(getattr(s, when) for s in stats).tolist() for when in ("before", "after")
+        }
+        return torch.tensor([float(f) for f in figures], dtype=torch.float64)
+
+    def figures(self, summed: torch.Tensor | None, world: int) -> dict[str, float | list[float]]:
+        """The step's figures from `local_sums` summed over the `world` ranks; {} when there were none."""
+        if summed is None:
+            return {}
+        result: dict[str, float | list[float]] = dict(zip(self.NAMES, (summed / world).tolist()))
+        return {**result, **self.per_rank}
