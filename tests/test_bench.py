@@ -401,6 +401,8 @@ def test_door_bench_runs_both_doors_per_case_with_the_case_keys(tmp_path, monkey
             assert json.loads(config.read_text()) == {"extra": extras[case]}  # the case's keys, as the engine got
             if "training.track_memory=true" not in command:
                 order.append((case, "trainer"))
+            # the trainer holds out the engine's validation samples and evals after its last step, idle before
+            assert {"data.validation_split=0.05", "training.eval_interval=0", "training.eval_iters=1"} <= set(command)
             records = [
                 {"ms_per_iter": 55.0, "data_ms": 5.0, "loss": 2.0, "grad_norm": 1.0, "mem_peak_max_gib": 0.01}
                 for _ in range(4)
@@ -424,6 +426,7 @@ def test_door_bench_runs_both_doors_per_case_with_the_case_keys(tmp_path, monkey
             return [], 1.0, 1.0
         case = run_dir.split("_ds_compat_")[0]
         assert extra == extras[case] and argument(command, "zero") == "3"
+        assert argument(command, "eval-split") == "0.05"  # the engine's batches skip the same held-out samples
         order.append((case, "ds_compat"))
         result = {"ms": [999.0] + [engine_ms[case]] * 3, "losses": [2.0] * 4, "peak_bytes_max": peak_mib[case] * 2**20}
         Path(argument(command, "out")).write_text(json.dumps(result))

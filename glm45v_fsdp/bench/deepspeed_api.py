@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -50,9 +51,18 @@ def workload_overrides(args: argparse.Namespace, world: int) -> list[str]:
         f"data.synthetic_image_size={args.image_size}",
         "data.synthetic_images_per_sample=1",
         "data.synthetic_video_every=0",  # the reference runs transformers' forward: no sample with both
-        f"data.synthetic_samples={(args.first_step + args.steps + 1) * args.micro * world}",
+        *sample_overrides((args.first_step + args.steps + 1) * args.micro * world, getattr(args, "eval_split", None)),
         *long_sample_overrides(getattr(args, "cutoff_len", None)),
     ]
+
+
+def sample_overrides(training_samples: int, eval_split: float | None) -> list[str]:
+    """Synthetic samples enough for `training_samples` to train on; with `eval_split` that fraction more is held
+    out as validation data (data.validation_split), the same samples for every door (bench door's trainer evals)."""
+    if not eval_split:
+        return [f"data.synthetic_samples={training_samples}"]
+    total = math.ceil(training_samples / (1 - eval_split)) + 1
+    return [f"data.synthetic_samples={total}", f"data.validation_split={eval_split}"]
 
 
 def long_sample_overrides(cutoff_len: int | None) -> list[str]:
@@ -80,7 +90,7 @@ def worker_command(args: argparse.Namespace, backend: str, zero: int, dtype: str
     arguments = [f"--backend={backend}", f"--zero={zero}", f"--dtype={dtype}", f"--steps={args.steps}"]
     arguments += [f"--micro={args.micro}", f"--out={out}", f"--world-size={args.ranks}"]
     arguments += ["--profile"] if args.profile else []
-    for option in ("text_tokens", "text_layers", "cutoff_len"):  # a caller's workload size (bench door's CP rows)
+    for option in ("text_tokens", "text_layers", "cutoff_len", "eval_split"):  # a caller's workload (bench door)
         arguments += [f"--{option.replace('_', '-')}={getattr(args, option)}"] if getattr(args, option, None) else []
     arguments += [*schedule_arguments(args), *extra_arguments(args)]
     if backend in ("bare", "alternate"):  # one process
@@ -107,7 +117,8 @@ def trainer_command(args: argparse.Namespace, initial: Path, run_dir: Path, trac
     """Our trainer behind `--deepspeed` on the worker's model (its saved initial weights) and batches (the same
     workload keys, unshuffled: the sampler's rank-major chunks are the worker's batches); the ds_config's constant lr
     (no scheduler), as DeepSpeed keeps it."""
-    workload = argparse.Namespace(**WORKLOAD, steps=args.steps, micro=args.micro, first_step=0)
+    eval_split = getattr(args, "eval_split", None)
+    workload = argparse.Namespace(**WORKLOAD, steps=args.steps, micro=args.micro, first_step=0, eval_split=eval_split)
     overrides = [
         *workload_overrides(workload, args.ranks),
         "data.shuffle=false",
@@ -120,6 +131,7 @@ def trainer_command(args: argparse.Namespace, initial: Path, run_dir: Path, trac
         f"training.log_interval={args.steps}",
         "training.progress_bar=false",
         f"training.track_memory={str(track_memory).lower()}",
+        *(["training.eval_interval=0", "training.eval_iters=1"] if eval_split else []),  # evals: after the last step
     ]
     arguments = ["--deepspeed", str(initial / "ds_config.json"), *overrides]
     return torchrun_command(args.ranks, "glm45v_fsdp.train", arguments)

@@ -214,6 +214,7 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=WORKLOAD["text_tokens"])
     parser.add_argument("--image-size", type=int, default=WORKLOAD["image_size"], help="112 px: 8 x 8 = 64 patches")
     parser.add_argument("--cutoff-len", type=int, default=None, help="samples cut at this many tokens")
+    parser.add_argument("--eval-split", type=float, default=None, help="data.validation_split held out (bench door)")
     parser.add_argument("--world-size", type=int, default=2, help="bare / --save-initial: the ranks of the others")
     parser.add_argument("--ds-extra", default=None, help="JSON merged into the ds_config (bench door)")
     parser.add_argument("--lora", type=int, default=0, help="the model is PEFT's LoRA of this rank (bench lora)")

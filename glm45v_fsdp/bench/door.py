@@ -7,6 +7,8 @@ Both read one ds_config (ZeRO `--zero`, fp32) to which each case adds the keys t
   - full_logits: the extension section's `features.chunk_loss.mode: off` (the full [tokens, vocab] logits);
   - chunk_dynamic: `features.chunk_loss.mode: dynamic` with a `--logits-budget-mib` budget;
   - ep: DeepSpeed's `expert_parallel` (`enabled`, `autoep_size: --ep`) and the extension's EP balance.
+Both doors hold out the same `EVAL_SPLIT` of the samples as validation data; the trainer has its evals configured
+(after its last step: idle during the timed steps) and its MoE router figures on, as a fine-tuning run would.
 Per case the two doors run back to back in an order rotated from round to round. Figures: median ms/step of the
 steps after `--warmup` (per run, then over rounds), engine ms / trainer ms per round, the per-step loss error engine
 vs trainer, and each door's peak memory per rank (max over ranks) with the chunked loss's saving against full_logits.
@@ -32,6 +34,9 @@ CONTEXT_GOAL = 0.6  # a context-parallel case's peak per rank / the CP1 case's, 
 DOORS = ("ds_compat", "trainer")
 DOOR_NAMES = {"ds_compat": "engine API door", "trainer": "trainer --deepspeed"}
 SPEED_GOAL = 1.05  # engine ms / trainer ms: the engine door may be at most 5% slower
+# Held out of the workload's samples for both doors (data.validation_split): the trainer runs with its validation set
+# and evals configured (once, after its last step) and its per-layer router figures on, idle between evals.
+EVAL_SPLIT = 0.05
 DTYPE = "fp32"
 
 
@@ -81,7 +86,7 @@ def run_context(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run_case(args: argparse.Namespace, name: str, extra: dict[str, Any]) -> dict[str, list[dict]]:
     """`--rounds` of both doors on one case; the trainer's tracked peak from one 3-step run per case."""
-    case_args = argparse.Namespace(**{**vars(args), "ds_extra": extra})
+    case_args = argparse.Namespace(**{**vars(args), "ds_extra": extra, "eval_split": EVAL_SPLIT})
     bench = runner(case_args, "bench door")
     initial = initial_weights(case_args, bench, args.zero, DTYPE, args.out / "initial" / name)
     case = (name, args.zero, DTYPE)

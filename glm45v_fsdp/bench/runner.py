@@ -91,8 +91,9 @@ def _children_cpu_s() -> float:
 
 
 def read_records(output_dir: Path) -> list[dict]:
-    """A training run's step records (`metrics.jsonl`, one JSON object per step)."""
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    """A training run's step records (`metrics.jsonl`, one JSON object per step; its eval records left out)."""
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [record for record in records if "eval_loss" not in record]
 
 
 def read_json(path: Path) -> Any:
