@@ -444,6 +444,8 @@ def test_door_bench_runs_both_doors_per_case_with_the_case_keys(tmp_path, monkey
     rows = {r["case"]: r for r in report["rows"]}
     assert rows["full_logits"]["engine_over_trainer_ms"] == pytest.approx(1.0) and rows["full_logits"]["pass"]
     assert rows["ep"]["engine_over_trainer_ms"] == pytest.approx(1.2) and not rows["ep"]["pass"]
+    assert rows["ep"]["trainer_over_engine_ms"] == pytest.approx(50 / 60) and rows["ep"]["trainer_pass"]
+    assert rows["chunk_dynamic"]["trainer_over_engine_ms"] == pytest.approx(50 / 52)
     assert rows["chunk_dynamic"]["loss_mean_rel_err"] == 0.0
     saving = report["chunk_saving"]
     assert saving["ds_compat"] == pytest.approx({"mib": 2.0, "pct": 10.0})

@@ -34,6 +34,7 @@ CONTEXT_GOAL = 0.6  # a context-parallel case's peak per rank / the CP1 case's, 
 DOORS = ("ds_compat", "trainer")
 DOOR_NAMES = {"ds_compat": "engine API door", "trainer": "trainer --deepspeed"}
 SPEED_GOAL = 1.05  # engine ms / trainer ms: the engine door may be at most 5% slower
+TRAINER_GOAL = 1.0  # trainer ms / engine ms: the trainer's step (bookkeeping, metrics, evals idle) no slower
 # Held out of the workload's samples for both doors (data.validation_split): the trainer runs with its validation set
 # and evals configured (once, after its last step) and its per-layer router figures on, idle between evals.
 EVAL_SPLIT = 0.05
@@ -98,6 +99,7 @@ def row(name: str, extra: dict[str, Any], runs: dict[str, list[dict]], warmup: i
     ms = {door: [statistics.median(run["ms"][warmup:]) for run in runs[door]] for door in DOORS}
     ratios = [engine / trainer for engine, trainer in zip(ms["ds_compat"], ms["trainer"])]
     ratio = statistics.median(ratios)
+    trainer_ratio = statistics.median(trainer / engine for engine, trainer in zip(ms["ds_compat"], ms["trainer"]))
     return {
         "case": name,
         "ds_config_keys": extra,
@@ -107,6 +109,8 @@ def row(name: str, extra: dict[str, Any], runs: dict[str, list[dict]], warmup: i
         "peak_mib": {door: max(run["peak_bytes_max"] or 0.0 for run in runs[door]) / 2**20 for door in DOORS},
         "loss_mean_rel_err": errors(runs["ds_compat"][0]["losses"], runs["trainer"][0]["losses"])["mean_rel"],
         "pass": ratio <= SPEED_GOAL,
+        "trainer_over_engine_ms": trainer_ratio,
+        "trainer_pass": trainer_ratio <= TRAINER_GOAL,
     }
 
 
@@ -129,6 +133,7 @@ def markdown(report: dict[str, Any]) -> str:
                 "peak MiB/rank engine · trainer",
                 "loss rel err",
                 f"≤ {SPEED_GOAL}",
+                f"trainer / engine ≤ {TRAINER_GOAL}",
             ],
             [
                 [
@@ -138,6 +143,7 @@ def markdown(report: dict[str, Any]) -> str:
                     f"{r['peak_mib']['ds_compat']:.2f} · {r['peak_mib']['trainer']:.2f}",
                     f"{r['loss_mean_rel_err']:.1e}",
                     "pass" if r["pass"] else "below",
+                    f"{r['trainer_over_engine_ms']:.3f} {'pass' if r['trainer_pass'] else 'above'}",
                 ]
                 for r in report["rows"]
             ],
@@ -258,4 +264,7 @@ def main_door(args: argparse.Namespace, argv: list[str]) -> int:
     below = [r["case"] for r in report["rows"] if not r["pass"]]
     if below:
         print(f"bench door: engine door more than {SPEED_GOAL}x the trainer's ms/step in: {', '.join(below)}")
+    above = [r["case"] for r in report["rows"] if not r["trainer_pass"]]
+    if above:
+        print(f"bench door: trainer door more than {TRAINER_GOAL}x the engine's ms/step in: {', '.join(above)}")
     return 0
