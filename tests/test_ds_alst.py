@@ -135,6 +135,9 @@ def _replaced_forward_under_cp_worker(rank: int, port: int) -> None:
     config = {**BASE, "sequence_parallel_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     with pytest.raises(UserError, match="replaced on the instance .* Use parallelism_config"):
         deepspeed.initialize(model=model, config=config)
+    # rank 0 holds the rendezvous store: it leaves only when the other rank has got its refusal too (a rank still
+    # setting up its process groups would otherwise lose the store: a broken pipe, not the refusal, on a busy machine)
+    torch.distributed.barrier()
 
 
 def test_a_replaced_forward_under_sequence_parallel_size_is_refused():
