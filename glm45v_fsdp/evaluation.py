@@ -37,10 +37,10 @@ from glm45v_fsdp.checkpoint.state import capture_rng, set_rng
 from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.data.collate import move_batch
 from glm45v_fsdp.data.loader import build_dataloader
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
 from glm45v_fsdp.model.moe import moe_blocks
 from glm45v_fsdp.parallel.expert import AllToAllDispatcher
 from glm45v_fsdp.runtime.device import DeviceLayer
+from glm45v_fsdp.vocab import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from glm45v_fsdp.builders import Runtime

@@ -13,8 +13,9 @@ from conftest import trainer
 from npu_standin import StandInTorchNpu
 from transformers.models.glm4v_moe import modeling_glm4v_moe as hf
 
+from glm45v_fsdp import vocab
 from glm45v_fsdp.config import ModelConfig, load_config
-from glm45v_fsdp.data import SyntheticImageTextDataset, build_image_processor, build_tiny_tokenizer, collate, vocab
+from glm45v_fsdp.data import SyntheticImageTextDataset, build_image_processor, build_tiny_tokenizer, collate
 from glm45v_fsdp.errors import ConfigError
 from glm45v_fsdp.model import build_meta_model, load_hf_config, materialize
 from glm45v_fsdp.model.moe import LocalDispatcher

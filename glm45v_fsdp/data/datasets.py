@@ -40,10 +40,10 @@ from glm45v_fsdp.data.template import (
     mrope_position_ids,
 )
 from glm45v_fsdp.data.video import BadVideo, SampledVideo, read_video
-from glm45v_fsdp.data.vocab import supervised_token_count
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.runtime.dist import gather_objects, rank_and_world
+from glm45v_fsdp.vocab import supervised_token_count
 
 RESERVED_TOKENS = (
     "<|image|>",
