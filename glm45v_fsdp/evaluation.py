@@ -229,7 +229,7 @@ class Evaluator:
         self.model.sequence_layout.reduce(ce)  # CP: each rank holds the CE of its part of the sequences
         ce_total, token_total, sample_total = self.reduce([ce, tokens, samples])
         self.runtime.device.synchronize()
-        assert token_total > 0, "a validation set without supervised tokens"  # every sample has one (datasets.py)
+        assert token_total > 0, "a validation set without supervised tokens"  # every sample has one (data/encode.py)
         ms = (time.perf_counter() - start) * 1000.0
         result = EvalResult(step, ce_total / token_total, int(sample_total), int(token_total), ms)
         self.results.append(result)
