@@ -1,8 +1,13 @@
 """DeepSpeed compatibility layer for the glm45v-fsdp engine.
 
+The package mirrors DeepSpeed's module tree, so that the paths scripts use resolve with `import ds_compat as deepspeed`
+and, under ds-fsdp, with `import deepspeed` (ds_compat/alias.py maps the few whose place differs): a module standing for
+a DeepSpeed module keeps its name (`runtime/config.py`, `zero/config.py`, `launchers/runner.py`, ...).
+
 - `ds_compat.config`: ds_config.json translation (`python -m ds_compat.config explain`).
 - `ds_compat.launcher`: the `ds-fsdp` launcher with the deepspeed launcher's flags.
-- `ds_compat.trainer_door`: our trainer behind `--deepspeed ds_config.json`.
+- `ds_compat.trainer_door`: our trainer behind `--deepspeed ds_config.json` (the trainer door; the engine API below is
+  the engine door: docs/architecture.md, "Doors").
 - The engine API, so scripts written against DeepSpeed run on the FSDP2 core with `import ds_compat as deepspeed`:
   `initialize`, `add_config_arguments`, `init_distributed`, `comm` (deepspeed.comm), `DeepSpeedEngine`
   (forward / backward / step / save_checkpoint / load_checkpoint / save_16bit_model), `zero_to_fp32` and

@@ -22,8 +22,7 @@ from glm45v_fsdp.data.mixture import (
     refuse_dropped_mixture,
     resume_stream,
 )
-from glm45v_fsdp.data.validation import read_validation_file, split_validation
-from glm45v_fsdp.evaluation import EvalBatches, eval_micro_batches
+from glm45v_fsdp.data.validation import EvalBatches, eval_micro_batches, read_validation_file, split_validation
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.lora.apply import AdapterSpec
 from glm45v_fsdp.model import build_meta_model, describe_model, load_hf_config
@@ -189,7 +188,7 @@ def build_loader(
 
 
 def build_eval_batches(config: Config, runtime: Runtime, data: TrainingData) -> EvalBatches | None:
-    """This rank's eval micro batches over `data.validation` (evaluation.py), collated as the training's; None
+    """This rank's eval micro batches over `data.validation` (data/validation.py), collated as the training's; None
     without validation data."""
     if data.validation is None:
         return None

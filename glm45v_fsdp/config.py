@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from glm45v_fsdp.errors import ConfigError, UserError
+from glm45v_fsdp.op_names import check_ops_setting
 
 DTypeName = Literal["bf16", "fp16", "fp32"]
 
@@ -984,8 +985,6 @@ def validate(config: Config) -> None:
         d.synthetic_images_per_sample,
         ">= 0",
     )
-    from glm45v_fsdp.ops.registry import check_ops_setting
-
     check_ops_setting(config.model.ops)
     _require(d.max_image_pixels >= 1, "data.max_image_pixels", d.max_image_pixels, "a positive pixel count")
     _require(d.synthetic_image_size >= 28, "data.synthetic_image_size", d.synthetic_image_size, ">= 28 pixels")

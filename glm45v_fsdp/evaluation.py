@@ -1,13 +1,8 @@
 """Validation during training: eval loss and perplexity over the validation set (docs/training.md#validation). The
 trainer's step loop only asks `Evaluator.due` and calls `Evaluator.run`.
 
-Eval batches: the validation set in order, in global eval batches of training.micro_batch_size samples per
-data-parallel rank (no accumulation): global batch b gives DP rank r the samples [b*G + r*m, b*G + (r+1)*m) with
-G = m x dp. Every rank runs the same number of forwards, since expert parallelism's all-to-alls, context parallelism's
-collectives and FSDP's all-gathers need every rank of their group: where the last global batch leaves a rank fewer
-samples its micro batch is shorter, and where it leaves a rank none, the rank runs a zero-weight placeholder (the set's
-first sample with every label ignored: no CE, no tokens). Every validation sample thus counts exactly once, in every
-layout. training.eval_iters > 0 takes the first that many global batches, the same ones at every eval.
+Eval batches: the validation set in order, every sample counted once in every layout (data/validation.py,
+`EvalBatches`).
 
 The figures: eval_loss = summed token cross-entropy / supervised tokens over the whole eval (CE summed over the
 context-parallel ranks by the model's sequence layout, both summed over the data-parallel group), eval_ppl =
@@ -31,13 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
 from glm45v_fsdp.checkpoint.state import capture_rng, set_rng
 from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.data.collate import move_batch
-from glm45v_fsdp.data.loader import build_dataloader
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
+from glm45v_fsdp.data.validation import EvalBatches
 from glm45v_fsdp.model.moe import moe_blocks
 from glm45v_fsdp.parallel.expert import AllToAllDispatcher
 from glm45v_fsdp.runtime.device import DeviceLayer
@@ -45,59 +38,6 @@ from glm45v_fsdp.runtime.device import DeviceLayer
 if TYPE_CHECKING:
     from glm45v_fsdp.builders import Runtime
     from glm45v_fsdp.metrics import MetricsSink
-
-Batch = dict[str, torch.Tensor]
-
-
-def eval_micro_batches(
-    size: int, micro_batch_size: int, dp_rank: int, dp_size: int, eval_iters: int = 0
-) -> list[list[int]]:
-    """This DP rank's eval micro batches (sample indices of the validation set), one per global eval batch; an empty
-    list where the last global batch leaves this rank no sample (it runs a placeholder). `eval_iters` > 0: at most
-    that many global batches."""
-    global_batch = micro_batch_size * dp_size
-    batches = math.ceil(size / global_batch)
-    if eval_iters:
-        batches = min(batches, eval_iters)
-    return [
-        list(range(start, min(start + micro_batch_size, size)))
-        for start in (b * global_batch + dp_rank * micro_batch_size for b in range(batches))
-    ]
-
-
-class EvalBatches:
-    """This rank's eval micro batches over `dataset`, collated as the training's (packing, padding, workers)."""
-
-    def __init__(
-        self,
-        dataset: Dataset,
-        indices: list[list[int]],
-        pad_token_id: int,
-        packing: bool,
-        num_workers: int,
-    ) -> None:
-        self.dataset = dataset
-        self.placeholders = [not batch for batch in indices]
-        # a placeholder loads the set's first sample; `__iter__` takes its weight away
-        self.loader: DataLoader = build_dataloader(
-            dataset, [batch or [0] for batch in indices], pad_token_id, packing=packing, num_workers=num_workers
-        )
-
-    def __len__(self) -> int:
-        return len(self.placeholders)
-
-    def __iter__(self) -> Iterator[Batch]:
-        for placeholder, batch in zip(self.placeholders, self.loader, strict=True):
-            yield zero_weight(batch) if placeholder else batch
-
-
-def zero_weight(batch: Batch) -> Batch:
-    """`batch` with nothing to count: every label ignored, no samples, tokens or supervised tokens."""
-    zeroed = dict(batch)
-    zeroed["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
-    for key in ("num_valid_tokens", "num_samples", "num_tokens"):
-        zeroed[key] = torch.zeros_like(batch[key])
-    return zeroed
 
 
 @dataclass(frozen=True)
@@ -229,7 +169,7 @@ class Evaluator:
         self.model.sequence_layout.reduce(ce)  # CP: each rank holds the CE of its part of the sequences
         ce_total, token_total, sample_total = self.reduce([ce, tokens, samples])
         self.runtime.device.synchronize()
-        assert token_total > 0, "a validation set without supervised tokens"  # every sample has one (datasets.py)
+        assert token_total > 0, "a validation set without supervised tokens"  # every sample has one (data/encode.py)
         ms = (time.perf_counter() - start) * 1000.0
         result = EvalResult(step, ce_total / token_total, int(sample_total), int(token_total), ms)
         self.results.append(result)

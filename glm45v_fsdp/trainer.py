@@ -24,8 +24,9 @@ from glm45v_fsdp.config import Config, dump_yaml
 from glm45v_fsdp.data.collate import move_batch
 from glm45v_fsdp.data.dump import BatchDumper
 from glm45v_fsdp.data.mixture_metrics import MixtureFigures
+from glm45v_fsdp.data.validation import EvalBatches
 from glm45v_fsdp.errors import Preempted, TrainingStopped, UserError
-from glm45v_fsdp.evaluation import EvalBatches, Evaluator
+from glm45v_fsdp.evaluation import Evaluator
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.lora.peft_format import save_adapter
 from glm45v_fsdp.loss_scale import LossScaler

@@ -312,7 +312,7 @@ def hf_config():
     """A tiny GLM-4.5V (test_data, test_video): head_dim 16, rotary dim 8, so mrope_section sums to 4."""
     from transformers import Glm4vMoeConfig
 
-    from glm45v_fsdp.data import vocab
+    from glm45v_fsdp import vocab
 
     return Glm4vMoeConfig(
         text_config={

@@ -13,7 +13,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
+from glm45v_fsdp.vocab import IGNORE_INDEX
 
 # ZeRO 3, expert_parallel.autoep_size 2 and the extension's dynamic chunk loss and EP balance; "auto" as in HF's
 # templates (the Trainer fills them from its arguments).

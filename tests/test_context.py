@@ -16,12 +16,12 @@ from transformers import Glm4vMoeConfig
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextModel
 
 from glm45v_fsdp.config import RecomputeConfig, load_config
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.memory.recompute import apply_recompute
 from glm45v_fsdp.model.presets import PRESETS
 from glm45v_fsdp.parallel.context import Ulysses, apply_context_parallel, check_context_parallel
 from glm45v_fsdp.parallel.sequence import SplitSequence, image_owners, pad_to_multiple
+from glm45v_fsdp.vocab import IGNORE_INDEX
 
 SEQ = 12
 # (query heads, key/value heads, kernel, mask) on 2 CP ranks: key/value heads split (2 per rank), one per rank, and

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from PIL import Image
 from transformers import Glm4vMoeForConditionalGeneration, Glm4vMoeModel
 
+from glm45v_fsdp import vocab
 from glm45v_fsdp.config import DataConfig
 from glm45v_fsdp.data import (
     BATCH_METADATA_KEYS,
@@ -26,7 +27,6 @@ from glm45v_fsdp.data import (
     encode_conversation,
     load_image_processor,
     load_tokenizer,
-    vocab,
 )
 from glm45v_fsdp.data.processor import image_token_counts, process_images
 from glm45v_fsdp.errors import UserError

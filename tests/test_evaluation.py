@@ -17,9 +17,9 @@ from torch import nn
 
 from glm45v_fsdp.builders import build_training_data
 from glm45v_fsdp.config import ModelConfig, load_config
-from glm45v_fsdp.data.validation import split_validation
+from glm45v_fsdp.data.validation import eval_micro_batches, split_validation
 from glm45v_fsdp.errors import ConfigError, UserError
-from glm45v_fsdp.evaluation import eval_micro_batches, training_state_kept
+from glm45v_fsdp.evaluation import training_state_kept
 from glm45v_fsdp.memory.chunk_loss import chunked_linear_cross_entropy
 from glm45v_fsdp.model import load_hf_config
 from glm45v_fsdp.model.moe import MoEBlock

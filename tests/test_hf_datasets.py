@@ -22,7 +22,7 @@ from PIL import Image
 
 from glm45v_fsdp.config import Config, ConfigError, DataConfig, load_config
 from glm45v_fsdp.data import HfImageTextDataset, build_dataset, build_image_processor, build_tiny_tokenizer
-from glm45v_fsdp.data import datasets as datasets_module
+from glm45v_fsdp.data import records as records_module
 from glm45v_fsdp.data.hf_datasets import load_image_bytes
 from glm45v_fsdp.data.images import BadImage, load_image
 from glm45v_fsdp.errors import UserError
@@ -297,8 +297,8 @@ def test_each_rank_reads_only_its_rows(tmp_path, monkeypatch, hf_config, tokeniz
             parts[rank] = value
             return [parts.get(0, ({}, 0, 0)), parts.get(1, ({}, 0, 0))]
 
-        monkeypatch.setattr(datasets_module, "rank_and_world", lambda: (rank, 2))
-        monkeypatch.setattr(datasets_module, "gather_objects", gather)
+        monkeypatch.setattr(records_module, "rank_and_world", lambda: (rank, 2))
+        monkeypatch.setattr(records_module, "gather_objects", gather)
         read.clear()
         with pytest.raises(UserError, match=r"has 1 bad row\(s\) of 3.*The first: Row 1 \(0-based\)"):
             build(hf_config, tokenizer, image_processor, dataset="hf", data_path=str(path))

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import Glm4vMoeForConditionalGeneration
 
+from glm45v_fsdp import vocab
 from glm45v_fsdp.checkpoint import conversions
 from glm45v_fsdp.checkpoint.hf import INDEX_FILE, detect_format, load_hf_weights
 from glm45v_fsdp.checkpoint.hf_export import export_hf
@@ -34,7 +35,6 @@ from glm45v_fsdp.checkpoint.layout import (
     summarize_keys,
 )
 from glm45v_fsdp.config import FsdpPlanConfig, ModelConfig
-from glm45v_fsdp.data import vocab
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.model import REQUIRED_FSDP_UNITS, build_meta_model, load_hf_config, materialize
 from glm45v_fsdp.parallel.fsdp import apply_fsdp

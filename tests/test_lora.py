@@ -17,9 +17,9 @@ from conftest import REPO, clean_env, mean_relative_error, read_metrics, train, 
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Glm4vMoeForConditionalGeneration
 
+from glm45v_fsdp.adapters import is_adapter
 from glm45v_fsdp.checkpoint.dcp import read_model_tensors
 from glm45v_fsdp.config import ModelConfig
-from glm45v_fsdp.lora.layers import is_adapter
 from glm45v_fsdp.lora.peft_format import from_peft, to_peft
 from glm45v_fsdp.model import load_hf_config
 

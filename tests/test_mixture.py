@@ -17,11 +17,11 @@ from conftest import mean_relative_error, train_many
 from glm45v_fsdp.config import ChunkLossConfig, load_config
 from glm45v_fsdp.data.collate import collate
 from glm45v_fsdp.data.mixture import MixtureDataset, MixtureSampler, MixtureStream, SourceSpec, resume_stream
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.memory.chunk_loss import ChunkedLossHead
 from glm45v_fsdp.model.loss import lm_loss_sum, token_losses
 from glm45v_fsdp.tools.compare_batches import compare
+from glm45v_fsdp.vocab import IGNORE_INDEX
 
 WEIGHTS = {"a": 0.6, "b": 0.3, "c": 0.1}
 

@@ -15,8 +15,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import Glm4vMoeForConditionalGeneration
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMLP, Glm4vMoeTextMoE
 
+from glm45v_fsdp import vocab
 from glm45v_fsdp.config import ModelConfig, load_config
-from glm45v_fsdp.data import vocab
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.model import (
     apply_freeze,

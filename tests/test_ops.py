@@ -13,14 +13,16 @@ from conftest import trainer
 from npu_standin import StandInTorchNpu
 from transformers.models.glm4v_moe import modeling_glm4v_moe as hf
 
+from glm45v_fsdp import vocab
 from glm45v_fsdp.config import ModelConfig, load_config
-from glm45v_fsdp.data import SyntheticImageTextDataset, build_image_processor, build_tiny_tokenizer, collate, vocab
+from glm45v_fsdp.data import SyntheticImageTextDataset, build_image_processor, build_tiny_tokenizer, collate
 from glm45v_fsdp.errors import ConfigError
 from glm45v_fsdp.model import build_meta_model, load_hf_config, materialize
 from glm45v_fsdp.model.moe import LocalDispatcher
+from glm45v_fsdp.op_names import IMPLEMENTATION_NAMES, OPS, REFERENCE, check_ops_setting
 from glm45v_fsdp.ops import kernels, reference
 from glm45v_fsdp.ops.apply import apply_ops
-from glm45v_fsdp.ops.registry import OPS, REFERENCE, check_ops_setting, choose_ops
+from glm45v_fsdp.ops.registry import IMPLEMENTATIONS, choose_ops
 from glm45v_fsdp.ops.verify import verify_ops
 from glm45v_fsdp.plans import MoEPlan, PlanContext
 from glm45v_fsdp.runtime import ParallelDims, select_device
@@ -200,6 +202,12 @@ def test_bad_settings_name_model_ops():
     with pytest.raises(ConfigError, match="this torch_npu has no npu_swiglu"):
         choose_ops({"swiglu": "npu_swiglu"}, "npu", StandInTorchNpu(missing=("npu_swiglu",)))
     assert set(check_ops_setting("auto")) == set(OPS)
+
+
+def test_the_registry_describes_every_implementation_the_config_accepts():
+    """config.py checks model.ops against op_names.py's names; the registry describes the same, in the same order."""
+    described = {op: tuple(impl.name for impl in IMPLEMENTATIONS if impl.op == op) for op in OPS}
+    assert described == IMPLEMENTATION_NAMES
 
 
 def test_every_npu_kernel_passes_its_first_call(npu):

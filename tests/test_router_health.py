@@ -13,9 +13,9 @@ from conftest import free_port, mean_relative_error, spawn, train_many
 from torch.utils.checkpoint import checkpoint
 from transformers import Glm4vMoeForConditionalGeneration
 
+from glm45v_fsdp import vocab
 from glm45v_fsdp.checkpoint.dcp import checkpoint_name, read_model_tensors
 from glm45v_fsdp.config import ModelConfig, RouterConfig, load_config
-from glm45v_fsdp.data import vocab
 from glm45v_fsdp.model import build_meta_model, load_hf_config, materialize
 from glm45v_fsdp.model.loss import WholeSequence
 from glm45v_fsdp.model.moe import MoEBlock, moe_blocks

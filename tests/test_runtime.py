@@ -29,7 +29,7 @@ from glm45v_fsdp.runtime import (
     shutdown,
 )
 from glm45v_fsdp.runtime.device import _cpu_fused_adamw_runs
-from glm45v_fsdp.runtime.memory import _ORIGINAL_RESIZE
+from glm45v_fsdp.runtime.memory_meter import _ORIGINAL_RESIZE
 
 MiB = 2**20
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -65,6 +65,7 @@ HELP_COMMANDS = [
     ("glm45v_fsdp.tools.convert", []),
     ("glm45v_fsdp.tools.convert", ["dcp-to-hf"]),
     ("glm45v_fsdp.tools.compare_batches", []),
+    ("glm45v_fsdp.tools.compare-batches", []),
     ("glm45v_fsdp.tools.bench", []),
     *[("glm45v_fsdp.tools.bench", [name]) for name in ("overhead", "memory", "ep", "longest", "deepspeed", "ops")],
 ]

@@ -29,7 +29,8 @@ from transformers.image_utils import PILImageResampling
 from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
 from transformers.video_utils import VideoMetadata
 
-from glm45v_fsdp.data import JsonImageTextDataset, build_image_processor, build_tiny_tokenizer, vocab
+from glm45v_fsdp import vocab
+from glm45v_fsdp.data import JsonImageTextDataset, build_image_processor, build_tiny_tokenizer
 from glm45v_fsdp.data.collate import collate
 from glm45v_fsdp.model.hf_forward import Glm4vMoeForScripts
 from glm45v_fsdp.model.loss import Glm4vMoeForTraining, model_loss_sum

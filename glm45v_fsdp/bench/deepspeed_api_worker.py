@@ -283,7 +283,7 @@ def main() -> None:
         engine.save_checkpoint(args.save)
 
     from glm45v_fsdp.runtime.device import DeviceLayer
-    from glm45v_fsdp.runtime.memory import MemoryMeter
+    from glm45v_fsdp.runtime.memory_meter import MemoryMeter
 
     meter = MemoryMeter(DeviceLayer(device.type, "gloo"), enabled=True)
     with meter.track(live_tensors()):

@@ -4,8 +4,8 @@ Two configurations, each a real training run in its own process on the same mode
 all ranks), and `--repeats` rounds of them, alternating (ABBA) so a drift in machine speed hits both: full
 fine-tuning, and LoRA of rank `--rank` on the text attention and the routed experts (model.lora.experts=true). Per
 configuration: the median ms/iter of the steps after `--warmup`, each rank's peak memory (cpu: live tensor bytes,
-runtime/memory.py), the trainable parameters and the optimizer state they carry (AdamW: two fp32 moments and a step
-per trainable tensor), counted on the meta model the plans build (the same count the memory estimator uses).
+runtime/memory_meter.py), the trainable parameters and the optimizer state they carry (AdamW: two fp32 moments and a
+step per trainable tensor), counted on the meta model the plans build (the same count the memory estimator uses).
 
 Then LoRA through the DeepSpeed door against the real DeepSpeed on one script (`--ds-rounds` rotated rounds; 0 skips
 it): the DeepSpeed-API worker of `bench deepspeed` (bench/deepspeed_api_worker.py) with `--lora`, which hands

@@ -11,7 +11,7 @@ The figures, per pair (the reference report's §3.3 and §4.2):
     max absolute loss difference;
   - ms/iter: median of the steps after the warmup; samples/s = global batch x 1000 / that median;
   - peak max / avg GiB: each rank's peak over all steps (cuda/npu: the allocator peak; cpu: live tensor bytes, see
-    runtime/memory.py), then the max and the mean over ranks; the largest over repeats;
+    runtime/memory_meter.py), then the max and the mean over ranks; the largest over repeats;
   - saving % = (off - on) / off x 100 (max-rank and avg-rank); time cost % = (on / off - 1) x 100 of ms/iter.
 
 A "token" is a non-padding position of a rank's micro batch: each rank's micro batch is ONE synthetic sample cut at

@@ -74,6 +74,8 @@ def _pickled_as_deepspeed(cls: type):
 
 def loss_scaler(scale: float = 1.0) -> tuple[Any, Any]:
     """(DeepSpeed's static LossScaler at `scale`, the context to save it in)."""
+    # The library's one import of DeepSpeed (docs/architecture.md, "Floors"): its own class where it is installed, so
+    # that DeepSpeed unpickles the checkpoint's scaler as its own object; else a stand-in pickled under its class path.
     try:
         from deepspeed.runtime.fp16.loss_scaler import LossScaler  # noqa: PLC0415  (optional: the real class)
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from glm45v_fsdp.adapters import is_adapter
 from glm45v_fsdp.checkpoint.integrity import check_manifest
 from glm45v_fsdp.checkpoint.layout import (
     Piece,
@@ -32,7 +33,6 @@ from glm45v_fsdp.checkpoint.layout import (
     model_tensors,
 )
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.lora.layers import is_adapter
 
 INDEX_FILE = "model.safetensors.index.json"
 DCP_METADATA = ".metadata"

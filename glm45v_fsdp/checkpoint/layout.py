@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from glm45v_fsdp.adapters import is_adapter
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.lora.layers import is_adapter
 
 EXPERT_LAYOUTS = ("per-expert", "stacked")
 Shape = tuple[int, ...]

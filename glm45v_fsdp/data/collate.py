@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from glm45v_fsdp.data.vocab import IGNORE_INDEX, supervised_token_count
+from glm45v_fsdp.vocab import IGNORE_INDEX, supervised_token_count
 
 BATCH_METADATA_KEYS = ("num_valid_tokens", "num_samples", "num_tokens", "cu_seqlens", "source_ids", "sample_sources")
 

@@ -6,7 +6,7 @@ directory of parquet files (splits inferred from the file names, as `load_datase
 offline mode on. The table is memory-mapped (parquet is first converted to the library's Arrow cache, as `datasets`
 always does): rows are read one at a time, by index, as raw Arrow values, so no column is decoded by `datasets` itself.
 
-Each row is a record as the JSON reader takes it (`datasets.py` `_parse_record`): `messages` (role/content turns) or
+Each row is a record as the JSON reader takes it (records.py `parse_record`): `messages` (role/content turns) or
 `conversations` (from/value turns), optional `images` (or `image`): a list of path strings relative to
 data.image_root (default: the data directory), of the `datasets.Image` feature's {"bytes", "path"} values (bytes
 decoded here with the same bounds as image files, see `load_image_bytes`; a path without bytes read as a file), or
@@ -29,8 +29,8 @@ from types import ModuleType, SimpleNamespace
 from PIL import Image
 
 from glm45v_fsdp.config import DataConfig
-from glm45v_fsdp.data.datasets import RecordDataset, VideoSource, _parse_record, _RecordError, check_image_root
 from glm45v_fsdp.data.images import load_image
+from glm45v_fsdp.data.records import RecordDataset, RecordError, VideoSource, check_image_root, parse_record
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger
 
@@ -174,7 +174,7 @@ def _row_images(row: dict, root: Path) -> list[Path | ImageBytes]:
         else:
             if isinstance(image, dict):  # no bytes in the message
                 image = {key: "<bytes>" if isinstance(item, bytes) else item for key, item in image.items()}
-            raise _RecordError(
+            raise RecordError(
                 f"its image {number} is {image!r}; give 'images' as a list of paths or of the datasets.Image "
                 f"feature's values (bytes or path)"
             )
@@ -226,7 +226,7 @@ class HfImageTextDataset(RecordDataset):
         return _without_nulls(self.rows[index].to_pylist()[0])
 
     def _record(self, index: int) -> tuple[list[dict], list[Path | ImageBytes], list[VideoSource]]:
-        return _parse_record(self.row(index), self.image_root, _row_images)
+        return parse_record(self.row(index), self.image_root, _row_images)
 
     def _open_image(self, entry: Path | ImageBytes) -> Image.Image:
         if isinstance(entry, ImageBytes):

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm45v_fsdp.data.mixture import MixtureSampler
-from glm45v_fsdp.data.vocab import IGNORE_INDEX, shift_labels
 from glm45v_fsdp.model.loss import keep_token_losses
+from glm45v_fsdp.vocab import IGNORE_INDEX, shift_labels
 
 FIGURES = ("samples", "tokens", "loss_tokens")
 

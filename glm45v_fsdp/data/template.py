@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm45v_fsdp.data.vocab import IGNORE_INDEX, frame_grids
+from glm45v_fsdp.vocab import IGNORE_INDEX, frame_grids
 
 IMAGE_TAG = "<image>"
 VIDEO_TAG = "<video>"

@@ -7,7 +7,7 @@ from pathlib import Path
 import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from glm45v_fsdp.data import vocab
+from glm45v_fsdp import vocab
 from glm45v_fsdp.errors import UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from glm45v_fsdp.adapters import LoraLinear, add_expert_adapters, is_adapter
 from glm45v_fsdp.config import LoraConfig
 from glm45v_fsdp.errors import ConfigError
-from glm45v_fsdp.lora.layers import LoraLinear, add_expert_adapters, is_adapter
 from glm45v_fsdp.model.moe import GroupedExperts
 from glm45v_fsdp.module_patterns import PlanMatch, match_modules
 

@@ -5,7 +5,7 @@ The routed experts' stacks (`target_parameters`) are wrapped one ParamWrapper in
 module's registration order (gate_up_proj, then down_proj): the last targeted stack is outermost
 (`<experts>.lora_A.weight`), each earlier one one `.base_layer` deeper. A stack's factors are stored flat:
 A [r*E, in] (expert e's rows e*r .. e*r+r-1), B [out, r*E] (expert e's columns e, E+e, 2E+e, ...). Our stacks are
-[E, r, in] and [E, out, r] (lora/layers.py). Reading runs no code: JSON and safetensors only.
+[E, r, in] and [E, out, r] (glm45v_fsdp/adapters.py). Reading runs no code: JSON and safetensors only.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from glm45v_fsdp.adapters import is_adapter
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.lora.apply import EXPERT_STACKS, AdapterSpec
 
@@ -137,8 +138,6 @@ def _first(keys: list[str]) -> str:
 def save_adapter(model: torch.nn.Module, directory: Path, base_model: str | None) -> None:
     """The model's adapters in PEFT's format (collective: every rank gathers each full tensor; rank 0 writes)."""
     from torch.distributed.tensor import DTensor
-
-    from glm45v_fsdp.lora.layers import is_adapter
 
     tensors = {}
     for name, param in model.named_parameters():

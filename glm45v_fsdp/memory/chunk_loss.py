@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from glm45v_fsdp.config import ChunkLossConfig
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
 from glm45v_fsdp.module_patterns import PlanMatch, match_modules
+from glm45v_fsdp.vocab import IGNORE_INDEX
 
 FP32_BYTES = 4
 

@@ -35,7 +35,6 @@ try:  # transformers >= 5.24; earlier 5.x return GLM-4.5V's loss and logits in t
 except ImportError:  # pragma: no cover - exercised by .ci/lowest-transformers
     from transformers.modeling_outputs import MoeCausalLMOutputWithPast as CausalLMOutput
 
-from glm45v_fsdp.data.vocab import shift_labels as shifted
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.model.loss import (
     Glm4vMoeForTraining,
@@ -45,6 +44,7 @@ from glm45v_fsdp.model.loss import (
     with_video_frames,
 )
 from glm45v_fsdp.model.router_health import observed_routing, router_monitor
+from glm45v_fsdp.vocab import shift_labels as shifted
 
 # Keyword arguments transformers' forward takes that change nothing in a training forward without a cache.
 _NEUTRAL = {"use_cache", "return_dict", "output_attentions", "output_hidden_states", "cache_position", "rope_deltas"}

@@ -20,7 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextExperts, Glm4vMoeTextTopkRouter
 
-from glm45v_fsdp.lora.layers import is_adapter
+from glm45v_fsdp.adapters import is_adapter
 from glm45v_fsdp.model.moe import GroupedExperts, MoERouter
 
 _LINEAR_LIKE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)

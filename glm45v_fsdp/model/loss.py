@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Glm4vMoeForConditionalGeneration
 
-from glm45v_fsdp.data.vocab import IGNORE_INDEX, frame_grids, shift_labels
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.model.router_health import observed_routing
+from glm45v_fsdp.vocab import IGNORE_INDEX, frame_grids, shift_labels
 
 # Collated batch keys passed to Glm4vMoeModel.forward when present; bookkeeping keys are ignored.
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")

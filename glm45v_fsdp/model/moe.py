@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from transformers.activations import ACT2FN
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMLP
 
-from glm45v_fsdp.lora.layers import grouped_update
+from glm45v_fsdp.adapters import grouped_update
 
 
 class MoERouter(nn.Module):

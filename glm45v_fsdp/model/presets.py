@@ -5,7 +5,7 @@
 layer, then MoE layers with 3-D stacked experts and a shared expert) and the tiny tokenizer's special-token ids.
 """
 
-from glm45v_fsdp.data import vocab
+from glm45v_fsdp import vocab
 
 _ARCHITECTURES = ["Glm4vMoeForConditionalGeneration"]
 

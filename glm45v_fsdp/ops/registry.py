@@ -22,9 +22,7 @@ import torch
 
 from glm45v_fsdp.errors import ConfigError
 from glm45v_fsdp.log import get_logger
-
-OPS = ("rms_norm", "rotary", "attention", "experts", "permute", "swiglu")
-REFERENCE = "reference"
+from glm45v_fsdp.op_names import OPS, REFERENCE, check_ops_setting
 
 
 @dataclass(frozen=True)
@@ -61,6 +59,7 @@ def _grouped_mm_available(npu: Any) -> str | None:
     return None
 
 
+# every implementation op_names.py names, in its order (tests/test_ops.py checks)
 IMPLEMENTATIONS = [
     Implementation("rms_norm", REFERENCE, "reference (transformers' RMSNorm)", ("npu", "cuda", "cpu")),
     Implementation("rms_norm", "npu_rms_norm", "torch_npu.npu_rms_norm", ("npu",), _npu_has("npu_rms_norm")),
@@ -106,31 +105,6 @@ PREFERENCE = {
     "cuda": {"attention": ["flash_attn"], "experts": ["grouped_mm"]},
     "cpu": {"experts": ["grouped_mm"]},
 }
-
-
-def implementation_names(op: str) -> list[str]:
-    return [impl.name for impl in IMPLEMENTATIONS if impl.op == op]
-
-
-def check_ops_setting(setting: Any) -> dict[str, str]:
-    """`model.ops` as {op: auto | reference | name} for every op; ConfigError for unknown ops or names."""
-    if isinstance(setting, str):
-        if setting not in ("auto", REFERENCE):
-            raise ConfigError(
-                f"Config key 'model.ops' = {setting!r} is not 'auto', 'reference' or a mapping of ops, e.g. "
-                f"{{attention: reference}}. Ops: {', '.join(OPS)}."
-            )
-        return dict.fromkeys(OPS, setting)
-    assert isinstance(setting, dict), setting
-    chosen = dict.fromkeys(OPS, "auto")
-    for op, name in setting.items():
-        if op not in OPS:
-            raise ConfigError(f"Config key 'model.ops.{op}' names no op. Ops: {', '.join(OPS)}.")
-        valid = ["auto", *implementation_names(op)]
-        if name not in valid:
-            raise ConfigError(f"Config key 'model.ops.{op}' = {name!r} is not one of {valid}.")
-        chosen[op] = name
-    return chosen
 
 
 @dataclass

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_gather_single_autograd
 
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
 from glm45v_fsdp.model.loss import WholeSequence, encode_images, no_image_features
+from glm45v_fsdp.vocab import IGNORE_INDEX
 
 
 def pad_to_multiple(batch: dict, size: int, pad_token_id: int) -> dict:

@@ -15,7 +15,7 @@ from glm45v_fsdp.runtime.dist import (
     rank_and_world,
     shutdown,
 )
-from glm45v_fsdp.runtime.memory import MemoryMeter
+from glm45v_fsdp.runtime.memory_meter import MemoryMeter
 from glm45v_fsdp.runtime.mesh import ParallelDims, ParallelMeshes, build_parallel_dims
 from glm45v_fsdp.runtime.seed import set_deterministic, set_seed
 

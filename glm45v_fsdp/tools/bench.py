@@ -46,11 +46,30 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.bench import checkpoint, deepspeed_api, door, ep, longest, lora, matrix, memory, parity, router
 from glm45v_fsdp.errors import UserError
+
+
+def add_overhead_parser(sub: Any) -> None:
+    """bench overhead's options (here: bench/overhead.py imports torch, which --help must not wait for)."""
+    parser = sub.add_parser("overhead", help="our 1-rank step vs a bare PyTorch loop, side by side")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--blocks", type=int, default=4, help="alternating timing blocks")
+    parser.add_argument("--output", type=Path, default=Path("output/bench/overhead.json"))
+    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
+
+
+def run_overhead(args: argparse.Namespace, argv: list[str]) -> int:
+    from glm45v_fsdp.bench.overhead import run_overhead
+
+    run_overhead(args.steps, args.warmup, args.blocks, args.overrides, args.output)
+    return 0
 
 
 def add_ops_parser(sub: Any) -> None:
@@ -72,60 +91,50 @@ def add_ops_parser(sub: Any) -> None:
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides for both training runs")
 
 
+def run_ops(args: argparse.Namespace, argv: list[str]) -> int:
+    from glm45v_fsdp.bench.ops import main_ops
+
+    return main_ops(args, argv)
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """A benchmark: `add_parser(subparsers)` adds its options under its name; `main(args, argv)` runs it (exit code)."""
+
+    add_parser: Callable[[Any], None]
+    main: Callable[[argparse.Namespace, list[str]], int]
+
+
+# every subcommand by name, in the order --help lists them
+SUBCOMMANDS = {
+    "overhead": Subcommand(add_overhead_parser, run_overhead),
+    "memory": Subcommand(memory.add_parser, memory.main_memory),
+    "ep": Subcommand(ep.add_parser, ep.main_ep),
+    "longest": Subcommand(longest.add_parser, longest.main_longest),
+    "deepspeed": Subcommand(deepspeed_api.add_parser, deepspeed_api.main_deepspeed),
+    "door": Subcommand(door.add_parser, door.main_door),
+    "matrix": Subcommand(matrix.add_parser, matrix.main_matrix),
+    "parity": Subcommand(parity.add_parser, parity.main_parity),
+    "checkpoint": Subcommand(checkpoint.add_parser, checkpoint.main_checkpoint),
+    "lora": Subcommand(lora.add_parser, lora.main_lora),
+    "router": Subcommand(router.add_parser, router.main_router),
+    "ops": Subcommand(add_ops_parser, run_ops),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m glm45v_fsdp.tools.bench")
     sub = parser.add_subparsers(dest="benchmark", required=True)
-    overhead = sub.add_parser("overhead", help="our 1-rank step vs a bare PyTorch loop, side by side")
-    overhead.add_argument("--steps", type=int, default=40, help="timed steps per side")
-    overhead.add_argument("--warmup", type=int, default=5)
-    overhead.add_argument("--blocks", type=int, default=4, help="alternating timing blocks")
-    overhead.add_argument("--output", type=Path, default=Path("output/bench/overhead.json"))
-    overhead.add_argument("overrides", nargs="*", help="key.path=value config overrides")
-    memory.add_parser(sub)
-    ep.add_parser(sub)
-    longest.add_parser(sub)
-    deepspeed_api.add_parser(sub)
-    door.add_parser(sub)
-    matrix.add_parser(sub)
-    parity.add_parser(sub)
-    checkpoint.add_parser(sub)
-    lora.add_parser(sub)
-    router.add_parser(sub)
-    add_ops_parser(sub)
+    for subcommand in SUBCOMMANDS.values():
+        subcommand.add_parser(sub)
+    assert list(sub.choices) == list(SUBCOMMANDS), "each subcommand adds its parser under its name in SUBCOMMANDS"
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
-        if args.benchmark == "memory":
-            return memory.main_memory(args, argv)
-        if args.benchmark == "ep":
-            return ep.main_ep(args, argv)
-        if args.benchmark == "longest":
-            return longest.main_longest(args, argv)
-        if args.benchmark == "parity":
-            return parity.main_parity(args, argv)
-        if args.benchmark == "matrix":
-            return matrix.main_matrix(args, argv)
-        if args.benchmark == "door":
-            return door.main_door(args, argv)
-        if args.benchmark == "deepspeed":
-            return deepspeed_api.main_deepspeed(args, argv)
-        if args.benchmark == "checkpoint":
-            return checkpoint.main_checkpoint(args, argv)
-        if args.benchmark == "lora":
-            return lora.main_lora(args, argv)
-        if args.benchmark == "router":
-            return router.main_router(args, argv)
-        if args.benchmark == "ops":
-            from glm45v_fsdp.bench.ops import main_ops
-
-            return main_ops(args, argv)
-        from glm45v_fsdp.bench.overhead import run_overhead
-
-        run_overhead(args.steps, args.warmup, args.blocks, args.overrides, args.output)
+        return SUBCOMMANDS[args.benchmark].main(args, argv)
     except UserError as error:
         print(f"bench: error: {error}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""`python -m glm45v_fsdp.tools.compare-batches A B [--json]`: see glm45v_fsdp.tools.compare_batches."""
+"""`python -m glm45v_fsdp.tools.compare-batches A B [--json]`, the documented command: runs compare_batches.py.
+
+Python runs a module with a hyphenated name (`-m`) but cannot import one, so the code lives in compare_batches.py
+(imported by the tests and usable as `-m glm45v_fsdp.tools.compare_batches` too) and this file only starts it.
+"""
 
 import sys
 

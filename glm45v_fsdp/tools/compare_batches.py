@@ -1,4 +1,5 @@
-"""Compare two batch dumps token by token. Run as `python -m glm45v_fsdp.tools.compare-batches A B [--json]`.
+"""Compare two batch dumps token by token. Run as `python -m glm45v_fsdp.tools.compare-batches A B [--json]` (the
+documented command, through compare-batches.py) or `python -m glm45v_fsdp.tools.compare_batches A B [--json]`.
 
 A and B are dump directories (a run's output_dir, or its `batches/` folder) or two .pt files written by
 glm45v_fsdp.data.dump. Files are matched by name; for each file and key the result is: equal, a dtype or shape
@@ -189,3 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     print(json.dumps(result, indent=1) if args.json else format_result(result))
     return 0 if result["equal"] else EXIT_DIFFERENT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ds_compat.runtime.sequence_parallel import parallel_state_sp
-from glm45v_fsdp.data.vocab import IGNORE_INDEX
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger, setup_logging
+from glm45v_fsdp.vocab import IGNORE_INDEX
 
 GLM45V_MODEL_TYPE = "glm4v_moe"
 

@@ -8,7 +8,11 @@ x W^T + scaling * (dropout(x) A^T) B^T with A [r, in], B [out, r], scaling = alp
   thin grouped GEMMs over the same row groups as the base's (never W + BA merged into a fresh stack). The stacks
   are [E, ...] like the base's, so expert parallelism shards them on dim 0 with the base: each EP rank holds the
   adapters of its own experts. PEFT's ParamWrapper stores the same factors as A [r*E, in], B [out, r*E]
-  (`peft_format` converts).
+  (`lora/peft_format.py` converts).
+
+Beside the model package, not in lora/ (docs/architecture.md, "Floors"): the MoE block runs the experts' adapter stacks,
+the init fills them and the checkpoints tell adapter tensors by name (`is_adapter`), while the lora plan (lora/apply.py)
+puts the layers in. Importing this module loads no model (no transformers).
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 The real GLM-4.5V tokenizer uses the same token strings at ids around 151329-151364; the tiny one puts them first
 so the embedded model can keep a small vocabulary. Also the conventions the data and the model share: the labels'
 (IGNORE_INDEX, the one-token shift) and a video's (its temporal patches counted as frame blocks).
+
+On the ground floor (docs/architecture.md, "Floors"): the model and the data pipeline both stand on it, so the model
+needs no data pipeline to know its token ids and labels.
 """
 
 import torch
