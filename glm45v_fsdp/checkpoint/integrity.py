@@ -118,7 +118,11 @@ def _file_problem(file: Path, expected: dict) -> str | None:
     size = file.stat().st_size
     if size != expected["bytes"]:
         return f"{file} has {size} bytes, the manifest says {expected['bytes']}: it is truncated or was replaced"
-    if (digest := file_digest(file)) != expected[ALGORITHM]:
+    try:
+        digest = file_digest(file)
+    except OSError as error:  # a verdict, not an exception on one rank while the others wait in the collective
+        return f"{file} cannot be read ({error.strerror or error})"
+    if digest != expected[ALGORITHM]:
         return (
             f"{file} does not match its checksum ({ALGORITHM} {digest}, the manifest says "
             f"{expected[ALGORITHM]}): its bytes changed after it was written (a bad copy, bit rot or an edit)"
