@@ -109,7 +109,13 @@ def run(argv: list[str]) -> dict:
         build_training_data,
     )
     from glm45v_fsdp.checkpoint.base_reference import base_reference, holds_trainable_only, read_base
-    from glm45v_fsdp.checkpoint.dcp import auto_resume, check_save_targets, load_model_weights, resolve_load
+    from glm45v_fsdp.checkpoint.dcp import (
+        auto_resume,
+        check_save_targets,
+        load_model_weights,
+        resolve_load,
+        verify_resume,
+    )
     from glm45v_fsdp.checkpoint.deepspeed import read_deepspeed
     from glm45v_fsdp.checkpoint.state import data_start_step, read_trainer_state
     from glm45v_fsdp.config import load_config
@@ -147,6 +153,7 @@ def run(argv: list[str]) -> dict:
         for line in (weights_line, resume_line):
             if line is not None:
                 get_logger().info(line)
+        verify_resume(source, config.training)  # once, split over the ranks, before anything of it is read
         data = build_training_data(config, hf_config)  # a bad data file stops the run before the model is built
         if ds_run is not None:
             record_deepspeed_config(ds_run, runtime.is_main)

@@ -70,6 +70,7 @@ EXTRA_DIRS = ("adapter",)  # what a Checkpointer's `extra` writes, on rank 0
 METADATA_FILE = ".metadata"
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
+RESUME_AUTO = "training.resume=auto"  # how an error names the setting that chose the checkpoint
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -132,7 +133,8 @@ def _damage(checkpoint: Path) -> str | None:
 
 def check_checkpoint_files(checkpoint: Path, what: str = "Config key 'training.load'") -> None:
     """A checkpoint damaged after it was published (truncated, missing or foreign files): a UserError that names
-    the file and the way out (the previous complete checkpoint), before any collective or unpickling traceback."""
+    the file and the way out (the previous complete checkpoint), before any of it is loaded. Collective under a
+    process group of several ranks (the checksums are split over the ranks: integrity.verify)."""
     problem = _damage(checkpoint)
     if problem is None:
         if has_manifest(checkpoint):
@@ -154,16 +156,22 @@ def check_checkpoint_files(checkpoint: Path, what: str = "Config key 'training.l
 
 
 def find_checkpoint(path: Path, what: str = "Config key 'training.load'") -> Path:
-    """`path` itself when it is a complete checkpoint; for a save directory the one `latest` names when that is
-    complete, else its highest complete step. `what` names the setting in the error. A checkpoint that `latest`
-    names, or `path` itself, with its files damaged is an error (check_checkpoint_files), not a silent fallback."""
+    """`locate_checkpoint`, its files verified (check_checkpoint_files): an offline tool's, or a single load's."""
+    checkpoint = locate_checkpoint(path, what)
+    check_checkpoint_files(checkpoint, what)
+    return checkpoint
+
+
+def locate_checkpoint(path: Path, what: str = "Config key 'training.load'") -> Path:
+    """`path` itself when it is a checkpoint (a step directory); for a save directory the one `latest` names when it
+    exists, else its highest complete step, without reading any file of it (a run verifies it once, after the process
+    group is up: check_checkpoint_files). `what` names the setting in the error. A checkpoint that `latest` names, or
+    `path` itself, with its files damaged is an error when verified, not a silent fallback."""
     if _STEP_DIR.match(path.name) and ((path / RNG_DIR).is_dir() or is_complete(path)):
-        check_checkpoint_files(path, what)
         return path
     latest = path / LATEST_FILE
     named = path / latest.read_text().strip() if latest.is_file() else None
     if named is not None and _STEP_DIR.match(named.name) and named.is_dir():  # never a `.tmp` save
-        check_checkpoint_files(named, what)
         return named
     found = complete_checkpoints(path)
     if found:
@@ -222,7 +230,7 @@ def resolve_load(training: TrainingConfig) -> LoadSource | None:
         return LoadSource("hf", path)
     if is_weights_only(path):
         return LoadSource("dcp-weights", path)
-    return LoadSource("dcp", find_checkpoint(path))
+    return LoadSource("dcp", locate_checkpoint(path))
 
 
 def load_model_weights(config: Config) -> tuple[TrainingConfig, str | None]:
@@ -255,9 +263,18 @@ def auto_resume(training: TrainingConfig) -> tuple[TrainingConfig, str | None]:
     if not (save.is_dir() and complete_checkpoints(save)):
         start = f"training.load ({training.load})" if training.load else "scratch"
         return training, f"training.resume=auto: no complete checkpoint in {save} yet, starting from {start}"
-    checkpoint = find_checkpoint(save, what="training.resume=auto")
+    checkpoint = locate_checkpoint(save, what=RESUME_AUTO)  # verified once the process group is up
     resumed = dataclasses.replace(training, load=str(save), load_format="dcp", no_load_optim=False, no_load_rng=False)
     return resumed, f"training.resume=auto: continuing from {checkpoint} (replaces training.load={training.load})"
+
+
+def verify_resume(source: LoadSource | None, training: TrainingConfig) -> None:
+    """A resume's DCP checkpoint checked once, before anything of it is read (collective: every rank calls it).
+    An HF directory or a DeepSpeed tag is checked where it is opened (hf.checkpoint_files, deepspeed.locate)."""
+    if source is not None and source.format == "dcp":
+        resumed = training.resume == "auto" and training.load == str(Path(training.save).expanduser())
+        what = RESUME_AUTO if resumed else "Config key 'training.load'"
+        check_checkpoint_files(source.path, what)
 
 
 def check_save_targets(training: TrainingConfig) -> None:

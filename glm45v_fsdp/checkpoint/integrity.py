@@ -7,6 +7,10 @@ checkpoint is saved, each rank hashes the files it wrote right after writing the
 the checkpoint into place and points `latest` at it. A directory written by one process (an HF export, a DeepSpeed
 checkpoint) gets its manifest from `write_manifest` after its last file. xxh3-64 (the `xxhash` library) hashes at
 about 28 GB/s on one core here, so the cost of a save is the read-back of files that are still in the page cache.
+
+A load verifies a directory once, before anything of it is read: under a process group the listed files are split
+over the ranks by bytes, each rank hashes its share (a thread pool), and one collective agrees on the verdict, so
+the job reads each file once to verify it, not once per rank.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch.distributed as dist
 import xxhash
 
 from glm45v_fsdp.errors import UserError
@@ -25,6 +31,7 @@ MANIFEST_FILE = "manifest.json"
 PARTS_DIR = "checksums"
 ALGORITHM = "xxh3_64"
 _CHUNK = 8 << 20
+HASH_THREADS = 8  # per rank: enough to keep a parallel file system's reads in flight
 
 
 def file_digest(path: Path) -> str:
@@ -80,28 +87,90 @@ def write_manifest(directory: Path) -> None:
     _write_json(directory / MANIFEST_FILE, {"algorithm": ALGORITHM, "files": checksums(directory, files)})
 
 
-def verify(directory: Path) -> str | None:
-    """What is wrong with `directory`'s files against its manifest (the first damaged file, and how); None when
-    every listed file is intact. A directory without a manifest is not verified: `has_manifest` tells."""
+def _read_manifest(directory: Path) -> dict[str, dict] | None:
+    """The manifest's {relative path: {"bytes", ALGORITHM}}; None when it is not a readable manifest of ours."""
     try:
         manifest = json.loads((directory / MANIFEST_FILE).read_text())
         files = manifest["files"]
-        assert manifest["algorithm"] == ALGORITHM
+        assert manifest["algorithm"] == ALGORITHM and isinstance(files, dict)
+        assert all(isinstance(entry["bytes"], int) for entry in files.values())
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
-        return f"{directory / MANIFEST_FILE} is not a readable checksum manifest"
-    for name, expected in sorted(files.items()):
-        file = directory / name
-        if not file.is_file():
-            return f"{file} is missing (the manifest lists it)"
-        size = file.stat().st_size
-        if size != expected["bytes"]:
-            return f"{file} has {size} bytes, the manifest says {expected['bytes']}: it is truncated or was replaced"
-        if (digest := file_digest(file)) != expected[ALGORITHM]:
-            return (
-                f"{file} does not match its checksum ({ALGORITHM} {digest}, the manifest says "
-                f"{expected[ALGORITHM]}): its bytes changed after it was written (a bad copy, bit rot or an edit)"
-            )
+        return None
+    return files
+
+
+def shares(sizes: list[int], ranks: int) -> list[list[int]]:
+    """The indices of `sizes` split over `ranks`, balanced by bytes: largest first (ties by index), each to the
+    rank with the fewest bytes so far (ties to the lowest rank). Deterministic: every rank computes the same split."""
+    assigned: list[list[int]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        assigned[rank].append(index)
+        load[rank] += sizes[index]
+    return [sorted(indices) for indices in assigned]
+
+
+def _file_problem(file: Path, expected: dict) -> str | None:
+    """What is wrong with one listed file (missing, another size, other bytes); None when it is intact."""
+    if not file.is_file():
+        return f"{file} is missing (the manifest lists it)"
+    size = file.stat().st_size
+    if size != expected["bytes"]:
+        return f"{file} has {size} bytes, the manifest says {expected['bytes']}: it is truncated or was replaced"
+    try:
+        digest = file_digest(file)
+    except OSError as error:  # a verdict, not an exception on one rank while the others wait in the collective
+        return f"{file} cannot be read ({error.strerror or error})"
+    if digest != expected[ALGORITHM]:
+        return (
+            f"{file} does not match its checksum ({ALGORITHM} {digest}, the manifest says "
+            f"{expected[ALGORITHM]}): its bytes changed after it was written (a bad copy, bit rot or an edit)"
+        )
     return None
+
+
+def hash_threads(files: int) -> int:
+    """Threads that hash one rank's share: reads and xxh3 release the GIL, so a few overlap I/O with hashing."""
+    return max(1, min(HASH_THREADS, files, os.cpu_count() or 1))
+
+
+def _first_problem(directory: Path, entries: list[tuple[str, dict]], indices: list[int]) -> tuple[int, str] | None:
+    """(index, problem) of the first damaged file among `indices` (manifest order), hashed by a thread pool."""
+    if not indices:
+        return None
+    with ThreadPoolExecutor(hash_threads(len(indices)), thread_name_prefix="checksum") as pool:
+        found = pool.map(lambda i: _file_problem(directory / entries[i][0], entries[i][1]), indices)
+        return next(((i, problem) for i, problem in zip(indices, found) if problem is not None), None)
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one (a single-process load)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def verify(directory: Path) -> str | None:
+    """What is wrong with `directory`'s files against its manifest (the first damaged file in the manifest's sorted
+    order, and how); None when every listed file is intact. A directory without a manifest is not verified:
+    `has_manifest` tells.
+
+    Under a process group of several ranks this is collective: each file is hashed once, by one rank (the files
+    split by bytes, `shares`), and one all_gather agrees on the verdict, so every rank names the same file (the one
+    a serial check names). Alone, the files are hashed by a thread pool."""
+    files = _read_manifest(directory)
+    if files is None:  # every rank reads the same manifest: all return here, no rank waits in the collective
+        return f"{directory / MANIFEST_FILE} is not a readable checksum manifest"
+    entries = sorted(files.items())
+    rank, world = _world()
+    mine = shares([entry["bytes"] for _, entry in entries], world)[rank]
+    found = _first_problem(directory, entries, mine)
+    if world > 1:
+        everyone: list[tuple[int, str] | None] = [None] * world
+        dist.all_gather_object(everyone, found)
+        found = min((item for item in everyone if item is not None), default=None)
+    return None if found is None else found[1]
 
 
 def has_manifest(directory: Path) -> bool:
@@ -110,7 +179,8 @@ def has_manifest(directory: Path) -> bool:
 
 def check_manifest(directory: Path, kind: str) -> None:
     """A directory with a manifest must match it (a UserError naming the damaged file); one without is logged as not
-    verified (DeepSpeed's, the hub's, or ours from before checksums)."""
+    verified (DeepSpeed's, the hub's, or ours from before checksums). Collective under a process group of several
+    ranks (`verify`): every rank calls it for the same directory."""
     if not has_manifest(directory):
         get_logger().info("%s %s: not verified, it has no %s", kind, directory, MANIFEST_FILE)
         return
