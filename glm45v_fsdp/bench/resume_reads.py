@@ -7,7 +7,7 @@ Every rank runs the trainer under `python -m glm45v_fsdp.bench.resume_reads ...`
 are the resume run's sum over its ranks minus the fresh run's: the checksums, the DCP load, the trainer state and
 RNG files. The figure is that difference / S: reading each file once to verify and once to load makes about 2.
 
-    python -m glm45v_fsdp.bench.resume_reads --ranks 4 --out output/bench/resume_reads [overrides...]
+    python -m glm45v_fsdp.tools.bench resume-reads --ranks 4 --out output/bench/resume_reads [overrides...]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 READS_DIR_ENV = "GLM45V_READS_DIR"  # where each rank leaves reads-rank{R}.json
 Launch = Callable[[list[str], int, dict[str, str]], subprocess.CompletedProcess]
@@ -82,19 +83,24 @@ def torchrun_launch(argv: list[str], nproc: int, env: dict[str, str]) -> subproc
     return subprocess.run(command, env={**child_env(1), **env}, capture_output=True, text=True)
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m glm45v_fsdp.bench.resume_reads", description=__doc__)
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "resume-reads",
+        help="the bytes a DCP resume reads over its checkpoint's size (each file verified once per job)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--ranks", type=int, default=4, help="processes of each run (torchrun when > 1)")
     parser.add_argument("--out", type=Path, required=True, help="a new directory for the runs")
     parser.add_argument("overrides", nargs="*", help="training overrides, e.g. a larger model")
-    args = parser.parse_args(argv)
+
+
+def main_resume_reads(args: argparse.Namespace, argv: list[str]) -> int:
     result = measure(args.out, args.ranks, torchrun_launch, args.overrides)
     print(json.dumps(result, indent=1))
     return 0
 
 
-if __name__ == "__main__":
-    if os.environ.get(READS_DIR_ENV):
-        worker(sys.argv[1:])
-    else:
-        sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # a rank of one of the measured runs (measure sets READS_DIR_ENV)
+    assert os.environ.get(READS_DIR_ENV), "run the benchmark as: python -m glm45v_fsdp.tools.bench resume-reads"
+    worker(sys.argv[1:])

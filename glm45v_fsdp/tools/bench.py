@@ -1,6 +1,6 @@
 """Benchmarks. `python -m glm45v_fsdp.tools.bench SUBCOMMAND [options] [overrides]`, SUBCOMMAND one of
-overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops|checkpoint|lora|router; every one but overhead runs
-through bench/runner.py.
+overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops|checkpoint|resume-reads|lora|router; every one but
+overhead runs through bench/runner.py.
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -35,6 +35,9 @@ model.ops=auto against model.ops=reference (bench/ops.py).
 checkpoint: a run that saves at every step: the share of each save its checksums took, and their throughput
 (bench/checkpoint.py).
 
+resume-reads: the bytes all processes read to resume a DCP checkpoint (/proc/self/io rchar, a resume run minus a
+fresh run of the same step) over the checkpoint's size (bench/resume_reads.py).
+
 lora: LoRA (attention + routed experts) against full fine-tuning on the same layout: peak memory per rank, optimizer
 state, ms/step, alternating rounds (bench/lora.py).
 
@@ -51,7 +54,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.bench import checkpoint, deepspeed_api, door, ep, longest, lora, matrix, memory, parity, router
+from glm45v_fsdp.bench import (
+    checkpoint,
+    deepspeed_api,
+    door,
+    ep,
+    longest,
+    lora,
+    matrix,
+    memory,
+    parity,
+    resume_reads,
+    router,
+)
 from glm45v_fsdp.errors import UserError
 
 
@@ -116,6 +131,7 @@ SUBCOMMANDS = {
     "matrix": Subcommand(matrix.add_parser, matrix.main_matrix),
     "parity": Subcommand(parity.add_parser, parity.main_parity),
     "checkpoint": Subcommand(checkpoint.add_parser, checkpoint.main_checkpoint),
+    "resume-reads": Subcommand(resume_reads.add_parser, resume_reads.main_resume_reads),
     "lora": Subcommand(lora.add_parser, lora.main_lora),
     "router": Subcommand(router.add_parser, router.main_router),
     "ops": Subcommand(add_ops_parser, run_ops),
