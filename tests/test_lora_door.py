@@ -1,7 +1,7 @@
 """LoRA through the DeepSpeed door: a DeepSpeed-API script hands `deepspeed.initialize` a PEFT LoRA model of
 transformers' GLM-4.5V (attention, dense and shared-expert MLPs, the vision tower's linears, the routed experts via
-target_parameters) and gets the whole engine: under `ds-fsdp` it equals PEFT on transformers in one process, step by
-step and in a final eval, with EP 2 + recompute + the dynamic chunk loss, with Ulysses 2 and with Ring 2; it resumes
+target_parameters) and gets the whole engine: through ds_compat.run it equals PEFT on transformers in one process, step
+by step and in a final eval, with EP 2 + recompute + the dynamic chunk loss, with Ulysses 2 and with Ring 2; it resumes
 exactly; the adapter PEFT's save_pretrained writes from the engine's consolidated state dict reloads in PEFT with the
 run's eval loss; and the trainer door with model.lora equals it on the same data.
 
