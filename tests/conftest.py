@@ -167,11 +167,22 @@ class Zygote:
         """Whether a run in `env` sees what the zygote's imports saw: the same variables, but for run-time ones."""
         return not cls.differing(env)
 
-    def run(self, target: str, argv: list[str], nproc: int, env: dict[str, str], timeout: float, args: list[str]):
+    def run(
+        self,
+        target: str,
+        argv: list[str],
+        nproc: int,
+        env: dict[str, str],
+        timeout: float,
+        args: list[str],
+        cwd: Path = REPO,
+        ranked: bool = False,
+    ):
+        """Run `target` on `nproc` forked ranks in `cwd`; `ranked`: torchrun's variables even on one rank."""
         with tempfile.TemporaryDirectory() as scratch:
             out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-            request = dict(target=target, argv=argv, nproc=nproc, env=env, cwd=str(REPO), port=free_port())
-            request.update(stdout=str(out), stderr=str(err), timeout=timeout)
+            request = dict(target=target, argv=argv, nproc=nproc, env=env, cwd=str(cwd), port=free_port())
+            request.update(stdout=str(out), stderr=str(err), timeout=timeout, ranked=ranked or nproc > 1)
             with self.lock:
                 self.process.stdin.write(json.dumps(request) + "\n")
                 self.process.stdin.flush()
@@ -196,14 +207,22 @@ def trainer(argv: list[str], nproc: int = 1, env: dict | None = None, timeout: f
     return python(["-m", "glm45v_fsdp.train", *argv], nproc, env, timeout)
 
 
-def python(argv: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600):
-    """`python ARGV` (`[script, ...]` or `["-m", module, ...]`; under torchrun when nproc > 1), forked by the
-    zygote when `env` agrees with its imports, else a fresh interpreter; a CompletedProcess either way."""
+def python(
+    argv: list[str],
+    nproc: int = 1,
+    env: dict | None = None,
+    timeout: float = 600,
+    cwd: Path = REPO,
+    ranked: bool = False,
+):
+    """`python ARGV` (`[script, ...]` or `["-m", module, ...]`; under torchrun when nproc > 1 or `ranked`) in `cwd`,
+    forked by the zygote when `env` agrees with its imports, else a fresh interpreter; a CompletedProcess either
+    way."""
     env = env or clean_env()
-    command = [sys.executable, *argv] if nproc == 1 else torchrun(nproc, *argv)
+    command = [sys.executable, *argv] if nproc == 1 and not ranked else torchrun(nproc, *argv)
     if Zygote.accepts(env):
-        return Zygote.session().run("python", list(argv), nproc, env, timeout, command)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return Zygote.session().run("python", list(argv), nproc, env, timeout, command, cwd, ranked)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def spawn(worker: Callable[..., None], args: tuple = (), nprocs: int = 1, timeout: float = 600) -> None:

@@ -1,5 +1,5 @@
 """An accelerate training loop on transformers' GLM-4.5V with DeepSpeed's ALST sequence parallelism, written as
-accelerate's sequence-parallelism guide writes it (tests/test_glm_door.py runs it under `ds-fsdp`):
+accelerate's sequence-parallelism guide writes it (tests/test_glm_door.py runs it through ds_compat.run):
 - `Accelerator(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=--sp, dp_shard_size=world/sp,
   sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")), deepspeed_plugin=...)`;
 - `accelerator.prepare(model, optimizer, loader, scheduler)`, which calls

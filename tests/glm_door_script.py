@@ -1,4 +1,4 @@
-"""A DeepSpeed-API training script on transformers' GLM-4.5V (tests/test_glm_door.py runs it under `ds-fsdp`).
+"""A DeepSpeed-API training script on transformers' GLM-4.5V (tests/test_glm_door.py runs it through ds_compat.run).
 
 `import deepspeed`, `Glm4vMoeForConditionalGeneration.from_pretrained(--hf_dir)` with a frozen vision tower, and
 `loss = engine(**batch).loss; engine.backward(loss); engine.step()` on our data pipeline's synthetic image-text

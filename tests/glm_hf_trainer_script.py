@@ -1,5 +1,5 @@
-"""An HF Trainer script on transformers' GLM-4.5V written for DeepSpeed (tests/test_glm_door.py runs it under
-`ds-fsdp`): `from_pretrained(--hf_dir)` after TrainingArguments, gradient_checkpointing=True, a ds_config with "auto"
+"""An HF Trainer script on transformers' GLM-4.5V written for DeepSpeed (run by tests/test_glm_door.py):
+`from_pretrained(--hf_dir)` after TrainingArguments, gradient_checkpointing=True, a ds_config with "auto"
 values, ZeRO 3, expert_parallel.autoep_size 2 and the extension's dynamic chunk loss and EP balance. The data are our
 synthetic image-text samples in order, collated as HF collators do for GLM-4.5V (right-padded input_ids /
 attention_mask / labels / mm_token_type_ids, pixel_values and image_grid_thw concatenated, no position_ids: the model

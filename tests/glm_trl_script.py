@@ -1,5 +1,5 @@
-"""A TRL SFTTrainer script on transformers' GLM-4.5V written for DeepSpeed (tests/test_glm_door_trl.py runs it under
-`ds-fsdp`): `from_pretrained(--hf_dir)`, SFTConfig(deepspeed=ds_config, gradient_checkpointing=True) with an "auto"
+"""A TRL SFTTrainer script on transformers' GLM-4.5V written for DeepSpeed (run by tests/test_glm_door_trl.py):
+`from_pretrained(--hf_dir)`, SFTConfig(deepspeed=ds_config, gradient_checkpointing=True) with an "auto"
 ds_config, ZeRO 3, expert_parallel.autoep_size 2 and the extension's dynamic chunk loss and EP balance.
 
 The data are our synthetic image-text samples in order, already tokenized, so TRL's dataset preparation is skipped

@@ -1,5 +1,5 @@
 """A DeepSpeed-API script that fine-tunes a PEFT LoRA model of transformers' GLM-4.5V (tests/test_lora_door.py runs
-it under `ds-fsdp`; the real DeepSpeed runs it too, for the speed benchmark): `PeftModel.from_pretrained(base,
+it through ds_compat.run; the real DeepSpeed runs it too, for the speed benchmark): `PeftModel.from_pretrained(base,
 --adapter, is_trainable=True)`, `deepspeed.initialize(model=peft_model, model_parameters=peft_model.parameters())`,
 `loss = engine(**batch).loss; engine.backward(loss); engine.step()` on our synthetic image-text batches in order.
 

@@ -1,6 +1,6 @@
 """LoRA fine-tuning of transformers' GLM-4.5V with the HF Trainer (`--trainer hf`: the script wraps the model with
 PEFT's get_peft_model) or TRL's SFTTrainer (`--trainer trl`: SFTTrainer(peft_config=...)), written for DeepSpeed and
-run unchanged by `deepspeed` and by `ds-fsdp` (tests/test_lora_door.py).
+run unchanged on the real DeepSpeed and on ds_compat (tests/test_lora_door.py).
 
 `from_pretrained(--hf_dir)` after the training arguments (the ZeRO-3 order), LoRA of rank 4 on the text attention
 and the routed experts (target_parameters), as ms-swift's and LLaMA-Factory's GLM-4.5V recipes; an "auto" ds_config

@@ -1,5 +1,5 @@
 """What ms-swift's GLM-4.5V template does to the model, in a DeepSpeed-API script (tests/test_lora_door.py runs it
-under `deepspeed` and under `ds-fsdp`), without ms-swift: the collator computes the mRoPE positions with the model's
+on the real DeepSpeed and on ds_compat), without ms-swift: the collator computes the mRoPE positions with the model's
 own `get_rope_index`, and a forward pre-hook registered on the model before `initialize` embeds input_ids with the
 model's own `embed_tokens`, runs its own vision tower on the images, scatters their features into the embeddings and
 calls the forward with `inputs_embeds` (no input_ids, no pixel values), the positions and the labels.

@@ -1,6 +1,8 @@
 """GLM-4.5V through the DeepSpeed engine door on the whole engine (ds_compat/glm_door.py, builders.adopt_model).
 
-Launched under `ds-fsdp`, fp32 on CPU ranks, transformers' tiny GLM-4.5V saved as an HF directory:
+Each rank runs the script through `python -m ds_compat.run` (what ds-fsdp's single-node launch amounts to: torchrun
+with `import deepspeed` switched to this backend; the ranks forked by the suite's zygote), fp32 on CPU ranks,
+transformers' tiny GLM-4.5V saved as an HF directory:
 - tests/glm_door_script.py (the DeepSpeed API: `engine(**batch).loss`) on 2 and 4 ranks with ZeRO 3,
   expert_parallel.autoep_size 2, activation_checkpointing and the extension's dynamic chunk loss and EP balance: the
   per-step losses equal our trainer's (`python -m glm45v_fsdp.train --deepspeed` with the same ds_config, weights and
@@ -20,13 +22,12 @@ import copy
 import json
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, clean_env, free_port, mean_relative_error, read_metrics, spawn, train
+from conftest import REPO, clean_env, free_port, mean_relative_error, python, read_metrics, spawn, train
 from safetensors.torch import load_file
 from transformers import Glm4vMoeForConditionalGeneration
 
@@ -47,19 +48,14 @@ EVAL_LIMIT = 1e-6  # relative eval-loss error on the same weights, fp32
 
 
 def launch(script: Path, nproc: int, out: Path, *args: str) -> str:
-    """`ds-fsdp --num_gpus N SCRIPT ARGS` (as `python -m ds_compat.launcher`), DeepSpeed's CPU accelerator."""
+    """`torchrun --nproc_per_node N -m ds_compat.run SCRIPT ARGS` in `out`, DeepSpeed's CPU accelerator: the switch
+    that makes `import deepspeed` this backend under launchers other than ds-fsdp, whose single-node launch is this
+    torchrun with the switch on PYTHONPATH (ds-fsdp itself: tests/test_ds_launcher.py, test_hf_integration.py,
+    test_lora_door.py). The ranks are forked by the suite's zygote (conftest.python): no interpreter start-ups."""
     out.mkdir(parents=True, exist_ok=True)
-    env = clean_env()
-    env["DS_ACCELERATOR"] = "cpu"
-    command = [sys.executable, "-m", "ds_compat.launcher", "--num_gpus", str(nproc), "--master_port", str(free_port())]
-    result = subprocess.run(
-        [*command, str(script), "--out", str(out), *args],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    env = {**clean_env(), "DS_ACCELERATOR": "cpu"}
+    argv = ["-m", "ds_compat.run", str(script), "--out", str(out), *args]
+    result = python(argv, nproc, env, timeout=600, cwd=out, ranked=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout + result.stderr
 

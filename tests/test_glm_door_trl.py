@@ -1,6 +1,6 @@
 """TRL's SFTTrainer on GLM-4.5V through the DeepSpeed engine door, on the whole engine (issue 40).
 
-tests/glm_trl_script.py runs under `ds-fsdp` on 2 CPU ranks, fp32, on the tiny GLM-4.5V saved as an HF directory:
+tests/glm_trl_script.py runs through ds_compat.run on 2 CPU ranks, fp32, on the tiny GLM-4.5V saved as an HF directory:
 SFTConfig(deepspeed=...) with ZeRO 3, expert_parallel.autoep_size 2, gradient_checkpointing=True and the extension's
 dynamic chunk loss and EP balance; TRL's own training loop and loss (its fused LM head, through
 `maybe_gather_lm_head_ctx` at ZeRO-3); a save_model, then a second launch resuming from checkpoint-3.

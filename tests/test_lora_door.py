@@ -1,14 +1,15 @@
 """LoRA through the DeepSpeed door: a DeepSpeed-API script hands `deepspeed.initialize` a PEFT LoRA model of
 transformers' GLM-4.5V (attention, dense and shared-expert MLPs, the vision tower's linears, the routed experts via
-target_parameters) and gets the whole engine: under `ds-fsdp` it equals PEFT on transformers in one process, step by
-step and in a final eval, with EP 2 + recompute + the dynamic chunk loss, with Ulysses 2 and with Ring 2; it resumes
+target_parameters) and gets the whole engine: through ds_compat.run it equals PEFT on transformers in one process, step
+by step and in a final eval, with EP 2 + recompute + the dynamic chunk loss, with Ulysses 2 and with Ring 2; it resumes
 exactly; the adapter PEFT's save_pretrained writes from the engine's consolidated state dict reloads in PEFT with the
 run's eval loss; and the trainer door with model.lora equals it on the same data.
 
-The real clients' patterns, each one script run by `deepspeed` and by `ds-fsdp`, equal step by step: ms-swift's
-GLM-4.5V template (a forward pre-hook that embeds the tokens and runs the vision tower with the model's own modules,
-then passes inputs_embeds), full fine-tuning and LoRA; the HF Trainer with a PeftModel; TRL's SFTTrainer with a
-peft_config."""
+The real clients' patterns, each one script run on the real DeepSpeed and on this backend, equal step by step:
+ms-swift's GLM-4.5V template (a forward pre-hook that embeds the tokens and runs the vision tower with the model's own
+modules, then passes inputs_embeds), full fine-tuning and LoRA; the HF Trainer with a PeftModel; TRL's SFTTrainer with
+a peft_config. Every script runs on 2 ranks forked by the suite's zygote (`on_backend`); the `deepspeed` and `ds-fsdp`
+launchers with the HF Trainer and accelerate are test_hf_integration's."""
 
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, mean_relative_error, read_metrics, train
+from conftest import REPO, clean_env, mean_relative_error, python, read_metrics, train
 from peft_common import ALPHA, OUR_TARGETS, RANK, load_peft, make_adapter, reference_run
 from test_glm_door import launch
-from test_hf_integration import launch as launch_both
 from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.config import ModelConfig
@@ -30,6 +30,7 @@ from glm45v_fsdp.model import load_hf_config
 
 sys.path.insert(0, str(REPO / "tests"))
 SCRIPT = REPO / "tests" / "peft_door_script.py"
+REFERENCE_RUNNER = REPO / "tests" / "ds_reference_runner.py"
 STEPS, SAVE_AT = 4, 2
 LIMIT = 1e-5  # mean relative loss error, fp32
 RUN_PLANS = {
@@ -138,11 +139,24 @@ def test_the_trainer_door_with_model_lora_equals_the_engine_door(door, base_and_
     assert mean_relative_error(losses, door["result"]["ep"]["losses"], STEPS) <= LIMIT, (losses, door["result"]["ep"])
 
 
+def on_backend(backend: str, script: Path, out: Path, *args: str) -> str:
+    """`script --out OUT ARGS` on 2 ranks in `out`: on this backend (`ds_compat`: `python -m ds_compat.run`,
+    test_glm_door.launch) or on the real DeepSpeed (`deepspeed`: tests/ds_reference_runner.py, without the JIT build of
+    its shm op, as test_hf_integration's references run); the ranks' output."""
+    if backend == "ds_compat":
+        return launch(script, 2, out, *args)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**clean_env(), "DS_ACCELERATOR": "cpu"}
+    result = python([str(REFERENCE_RUNNER), str(script), "--out", str(out), *args], 2, env, cwd=out, ranked=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout + result.stderr
+
+
 SWIFT_SCRIPT = REPO / "tests" / "swift_pattern_script.py"
-# The runs of each launcher. The real DeepSpeed's full fine-tuning runs at ZeRO 2: at ZeRO 3 on a CPU it fails in its
+# The runs of each backend. The real DeepSpeed's full fine-tuning runs at ZeRO 2: at ZeRO 3 on a CPU it fails in its
 # own zero_grad on the parameters the hook used outside the forward (`p.grad.record_stream`, a CUDA-only call); the
 # ZeRO stage changes no loss, so ours at ZeRO 3 (with EP) and at ZeRO 2 are held to the same numbers.
-SWIFT_RUNS = {"ds-fsdp": "full_zero3_ep,full_zero2,lora_zero3_ep", "deepspeed": "full_zero2,lora_zero3_ep"}
+SWIFT_RUNS = {"ds_compat": "full_zero3_ep,full_zero2,lora_zero3_ep", "deepspeed": "full_zero2,lora_zero3_ep"}
 
 
 @pytest.fixture(scope="module")
@@ -150,11 +164,10 @@ def swift_runs(base_and_adapter, tmp_path_factory) -> dict:
     hf_dir, _ = base_and_adapter
     root = tmp_path_factory.mktemp("swift_pattern")
     found = {}
-    for launcher, runs in SWIFT_RUNS.items():
-        out = root / launcher
-        out.mkdir()
-        log = launch_both(launcher, SWIFT_SCRIPT, out, "--hf_dir", str(hf_dir), "--runs", runs)
-        found[launcher] = {"log": log, **json.loads((out / "result.json").read_text())}
+    for backend, runs in SWIFT_RUNS.items():
+        out = root / backend
+        log = on_backend(backend, SWIFT_SCRIPT, out, "--hf_dir", str(hf_dir), "--runs", runs)
+        found[backend] = {"log": log, **json.loads((out / "result.json").read_text())}
     return found
 
 
@@ -164,9 +177,9 @@ def swift_runs(base_and_adapter, tmp_path_factory) -> dict:
 def test_ms_swift_pattern_equals_deepspeed(swift_runs, ours, theirs):
     """The hook's direct calls of embed_tokens and the vision tower work under ZeRO 3 (each an FSDP unit of its own,
     gathered when called) and inputs_embeds with the collator's mRoPE positions are taken, with EP on."""
-    mine, reference = swift_runs["ds-fsdp"][ours], swift_runs["deepspeed"][theirs]
+    mine, reference = swift_runs["ds_compat"][ours], swift_runs["deepspeed"][theirs]
     assert mean_relative_error(mine["losses"], reference["losses"], 4) <= LIMIT, (mine["losses"], reference["losses"])
-    assert "registered a forward pre-hook on the model" in swift_runs["ds-fsdp"]["log"]
+    assert "registered a forward pre-hook on the model" in swift_runs["ds_compat"]["log"]
     if ours.endswith("_ep"):
         assert mine["plans"]["expert_parallel"] == 3
     if ours.startswith("lora"):
@@ -181,11 +194,10 @@ def trainer_pair(request, base_and_adapter, tmp_path_factory) -> dict:
     hf_dir, _ = base_and_adapter
     root = tmp_path_factory.mktemp(f"peft_{request.param}")
     found = {}
-    for launcher in ("deepspeed", "ds-fsdp"):
-        out = root / launcher
-        out.mkdir()
-        log = launch_both(launcher, TRAINER_SCRIPT, out, "--hf_dir", str(hf_dir), "--trainer", request.param)
-        found[launcher] = {**json.loads((out / "result.json").read_text()), "log": log, "out": out}
+    for backend in ("deepspeed", "ds_compat"):
+        out = root / backend
+        log = on_backend(backend, TRAINER_SCRIPT, out, "--hf_dir", str(hf_dir), "--trainer", request.param)
+        found[backend] = {**json.loads((out / "result.json").read_text()), "log": log, "out": out}
     return found
 
 
@@ -195,7 +207,7 @@ def test_hf_trainer_and_trl_with_peft_equal_deepspeed(trainer_pair, base_and_ada
     the adapter save_model writes holds the same weights as DeepSpeed's."""
     from safetensors.torch import load_file
 
-    ours, theirs = trainer_pair["ds-fsdp"], trainer_pair["deepspeed"]
+    ours, theirs = trainer_pair["ds_compat"], trainer_pair["deepspeed"]
     assert ours["backend"].startswith("ds_compat") and not theirs["backend"].startswith("ds_compat")
     assert mean_relative_error(ours["losses"], theirs["losses"], 4) <= LIMIT, (ours["losses"], theirs["losses"])
     assert ours["trainable"] == theirs["trainable"]

@@ -19,7 +19,8 @@ launchers themselves (torchrun, deepspeed, ds-fsdp, srun, mpirun, the console sc
 interpreters and never come here.
 
 Targets: `python` (`python SCRIPT ARGS` or `python -m MODULE ARGS`, as the interpreter runs them: `__main__`,
-sys.argv, the script's folder on sys.path; the trainer and tests/multi_run.py run this way) and
+sys.argv, the script's folder on sys.path; the trainer and tests/multi_run.py run this way; its ranks get
+torchrun's variables when the job has several ranks, or when the request says `ranked`) and
 `call:MODULE:FUNCTION` (a test module's worker, called as torch.multiprocessing.spawn calls one:
 `FUNCTION(rank, *args)`; the job sets no launcher variables then, as spawn does not). Modules a run imports beyond
 the preloaded ones (DeepSpeed, for one) are imported by each rank after the fork, in its own environment.
@@ -68,7 +69,7 @@ def child(request: dict, rank: int, replies_fd: int) -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no orphan ranks if the zygote dies
         os.environ.clear()
         os.environ.update(request["env"])
-        if request["nproc"] > 1 and not request["target"].startswith("call:"):
+        if request["ranked"] and not request["target"].startswith("call:"):
             os.environ.update(
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
