@@ -114,8 +114,10 @@ class Zygote:
     ~5 s of a ~6 s run, are paid once). It starts with the session's clean environment (`base_env`, taken before
     the first test); a run whose environment differs from it outside RUNTIME_PREFIXES starts a fresh interpreter."""
 
-    # variables read when a run uses them, never at import (pytest sets PYTEST_CURRENT_TEST per test)
-    RUNTIME_PREFIXES = ("GLM45V_", "DS_", "PYTEST_")
+    # variables read when a run uses them, never at import (pytest sets PYTEST_CURRENT_TEST per test); the last two
+    # are written into this process's environment by libraries a test uses here (the real DeepSpeed's import sets
+    # PYTORCH_NVML_BASED_CUDA_CHECK, inductor's cache_dir() TORCHINDUCTOR_CACHE_DIR), which torch reads when called
+    RUNTIME_PREFIXES = ("GLM45V_", "DS_", "PYTEST_", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
     base_env: dict[str, str] | None = None
     _session: Zygote | None = None
     _starting = threading.Lock()
