@@ -264,18 +264,20 @@ def train_many(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str, 
 
 
 @contextlib.contextmanager
-def bench_runs_forked():
-    """Within: the runs a bench starts (glm45v_fsdp/bench/runner.py `execute`: `python -m glm45v_fsdp.train ...` on
-    one rank, `torchrun --nproc_per_node N ... -m MODULE ...` above) are forked by the zygote instead of started as
-    fresh interpreters: the same module and arguments on as many ranks, the bench's environment (PYTHONPATH as
-    clean_env's), its timeout, the output appended to the run's log after the command line `execute` writes. For
-    tests whose subject is the bench's runs, not how a process is started (tests/test_bench.py and
-    test_bench_parity.py run the runner's real processes)."""
+def bench_runs_forked(real: Callable[[list[str]], bool] = lambda command: False):
+    """Within: the runs a bench starts (glm45v_fsdp/bench/runner.py `execute`: `python -m MODULE ...` on one rank,
+    `torchrun --nproc_per_node N ... -m MODULE ...` above) are forked by the zygote instead of started as fresh
+    interpreters: the same module and arguments on as many ranks, the bench's environment (PYTHONPATH as
+    clean_env's), its timeout, the output appended to the run's log after the command line `execute` writes. A run
+    whose command `real` picks starts as the runner starts it. For tests whose subject is the bench's runs, not how a
+    process is started (tests/test_bench.py's three benches run the runner's real processes)."""
     from types import SimpleNamespace
 
     from glm45v_fsdp.bench import runner
 
     def run(command: list[str], cwd, env: dict[str, str], stdout, stderr, timeout: float | None):
+        if real(command):
+            return subprocess.run(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, timeout=timeout)
         assert command[0] == sys.executable and command[1] == "-m" and stderr == subprocess.STDOUT, command
         argv, nproc = command[1:], 1
         if command[2] == "torch.distributed.run":
