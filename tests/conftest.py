@@ -5,6 +5,7 @@ metrics, the parity error, and ending spawned gloo workers. Test modules import 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -114,8 +115,10 @@ class Zygote:
     ~5 s of a ~6 s run, are paid once). It starts with the session's clean environment (`base_env`, taken before
     the first test); a run whose environment differs from it outside RUNTIME_PREFIXES starts a fresh interpreter."""
 
-    # variables read when a run uses them, never at import (pytest sets PYTEST_CURRENT_TEST per test)
-    RUNTIME_PREFIXES = ("GLM45V_", "DS_", "PYTEST_")
+    # variables read when a run uses them, never at import (pytest sets PYTEST_CURRENT_TEST per test); the last two
+    # are written into this process's environment by libraries a test uses here (the real DeepSpeed's import sets
+    # PYTORCH_NVML_BASED_CUDA_CHECK, inductor's cache_dir() TORCHINDUCTOR_CACHE_DIR), which torch reads when called
+    RUNTIME_PREFIXES = ("GLM45V_", "DS_", "PYTEST_", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
     base_env: dict[str, str] | None = None
     _session: Zygote | None = None
     _starting = threading.Lock()
@@ -258,6 +261,38 @@ def train_many(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str, 
         )
         for name in runs
     }
+
+
+@contextlib.contextmanager
+def bench_runs_forked(real: Callable[[list[str]], bool] = lambda command: False):
+    """Within: the runs a bench starts (glm45v_fsdp/bench/runner.py `execute`: `python -m MODULE ...` on one rank,
+    `torchrun --nproc_per_node N ... -m MODULE ...` above) are forked by the zygote instead of started as fresh
+    interpreters: the same module and arguments on as many ranks, the bench's environment (PYTHONPATH as
+    clean_env's), its timeout, the output appended to the run's log after the command line `execute` writes. A run
+    whose command `real` picks starts as the runner starts it. For tests whose subject is the bench's runs, not how a
+    process is started (tests/test_bench.py's three benches run the runner's real processes)."""
+    from types import SimpleNamespace
+
+    from glm45v_fsdp.bench import runner
+
+    def run(command: list[str], cwd, env: dict[str, str], stdout, stderr, timeout: float | None):
+        if real(command):
+            return subprocess.run(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, timeout=timeout)
+        assert command[0] == sys.executable and command[1] == "-m" and stderr == subprocess.STDOUT, command
+        argv, nproc = command[1:], 1
+        if command[2] == "torch.distributed.run":
+            nproc = int(next(arg for arg in command if arg.startswith("--nproc_per_node=")).split("=", 1)[1])
+            argv = command[command.index("-m", 3) :]
+        env = {**env, "PYTHONPATH": str(REPO)}
+        result = python(argv, nproc, env, timeout=timeout or 600, cwd=Path(cwd))
+        stdout.write(result.stdout + result.stderr)
+        stdout.flush()
+        return result
+
+    forked = SimpleNamespace(run=run, STDOUT=subprocess.STDOUT, TimeoutExpired=subprocess.TimeoutExpired)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "subprocess", forked)
+        yield
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

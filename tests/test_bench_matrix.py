@@ -1,21 +1,19 @@
 """bench matrix end to end on a two-configuration subset (its tables' arithmetic checked against the runs' own
 metrics files), its planning of the whole matrix, and the profiler window behind its communication share."""
 
+import contextlib
+import io
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env
+from conftest import bench_runs_forked
 from PIL import Image
 
 from glm45v_fsdp.config import load_config
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.runtime.profiling import communication_summary, union_ms
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -36,12 +34,18 @@ def numpy_percentile(values: list[float], q: float) -> float:
 
 @pytest.fixture(scope="module")
 def subset(tmp_path_factory):
+    """`bench matrix` on the subset, in this process; its seven runs forked by the suite's zygote (the bench's own
+    commands, conftest.bench_runs_forked)."""
+    from glm45v_fsdp.tools import bench
+
     out = tmp_path_factory.mktemp("matrix")
-    command = [sys.executable, "-m", "glm45v_fsdp.tools.bench", "matrix", "--preset", "cpu", "--groups", "F200"]
-    command += ["--configs", "00_baseline,08_ep_balance", "--steps", "6", "--out", str(out)]
-    result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out, result.stdout, json.loads((out / "matrix.json").read_text())
+    argv = ["matrix", "--preset", "cpu", "--groups", "F200", "--configs", "00_baseline,08_ep_balance"]
+    argv += ["--steps", "6", "--out", str(out)]
+    printed = io.StringIO()
+    with bench_runs_forked(), contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        code = bench.main(argv)
+    assert code == 0, printed.getvalue()[-3000:]
+    return out, printed.getvalue(), json.loads((out / "matrix.json").read_text())
 
 
 def test_matrix_subset_runs_each_kind_separately_from_one_checkpoint(subset):

@@ -1,17 +1,15 @@
 """bench parity: the long run against DeepSpeed. Faked runs check its arithmetic and judgement; a short real run
 checks that the DeepSpeed-API script reports the same figures (losses, grad norms) on DeepSpeed and on both doors."""
 
+import contextlib
+import io
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env
+from conftest import bench_runs_forked
 from PIL import Image
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_parity_bench_compares_each_door_with_deepspeed_and_judges_bf16(tmp_path, monkeypatch):
@@ -80,11 +78,17 @@ def test_parity_bench_compares_each_door_with_deepspeed_and_judges_bf16(tmp_path
 
 def test_parity_bench_runs_the_script_on_deepspeed_and_both_doors(tmp_path):
     """A few real steps in fp32: DeepSpeed, the engine door and the trainer door train the same weights on the same
-    batches, so their losses and grad norms agree to fp32 rounding."""
-    command = [sys.executable, "-m", "glm45v_fsdp.tools.bench", "parity", "--steps", "3", "--warmup", "1"]
-    command += ["--dtype", "fp32", "--out", str(tmp_path)]
-    result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    batches, so their losses and grad norms agree to fp32 rounding. The bench runs in this process; DeepSpeed's run
+    starts as the runner starts it (torchrun, a fresh interpreter per rank: the runner's real launch), the initial
+    weights' and both doors' runs are forked by the suite's zygote (conftest.bench_runs_forked)."""
+    from glm45v_fsdp.tools import bench
+
+    argv = ["parity", "--steps", "3", "--warmup", "1", "--dtype", "fp32", "--out", str(tmp_path)]
+    printed = io.StringIO()
+    with bench_runs_forked(real=lambda command: "--backend=deepspeed" in command):
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            code = bench.main(argv)
+    assert code == 0, printed.getvalue()[-3000:]
     report = json.loads((tmp_path / "parity.json").read_text())
     for door in ("ds_compat", "trainer"):
         row = report["rows"]["fp32"][door]

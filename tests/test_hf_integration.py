@@ -14,6 +14,8 @@
   launch continues exactly.
 - tests/accelerate_loop_script.py (Accelerator(deepspeed_plugin=...), save_state / load_state) likewise, ZeRO 2, and
   with offload_optimizer (accelerate swaps the client AdamW for deepspeed.ops.adam.DeepSpeedCPUAdam).
+Our second runs (the resumes at ZeRO 2, the offload run) are started by the switch alone on ranks the suite's zygote
+forks (`relaunch`); the ZeRO 3 resume is ds-fsdp's again, in the virtualenv without DeepSpeed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import EXTENSIONS_DIR, REPO, clean_env, end_worker, free_port, spawn
+from conftest import python as forked_python
 from torch.distributed.tensor import DTensor
 
 from ds_compat.alias import SHIM_DIR
@@ -423,6 +426,15 @@ def launch(launcher: str, script: Path, out: Path, *args: str, python: str = sys
     return result.stdout + result.stderr
 
 
+def relaunch(script: Path, out: Path, *args: str) -> None:
+    """A second run of `script` on our backend after its `ds-fsdp` launch (the resume, the offload variant): the same
+    flags on 2 ranks forked by the suite's zygote through `python -m ds_compat.run`, the switch ds-fsdp's single-node
+    launch turns on; what the launcher does is the first launch's to show."""
+    argv = ["-m", "ds_compat.run", str(script), "--out", str(out), *args]
+    result = forked_python(argv, 2, env(), cwd=out.parent, ranked=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
     """A tiny Llama saved as an HF checkpoint, the scripts' `from_pretrained` source."""
@@ -445,8 +457,9 @@ def pretrained(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory, pretrained, venv_python) -> dict[int, dict]:
-    """Per ZeRO stage: DeepSpeed's run, ours (ZeRO 3 in a virtualenv without DeepSpeed) and ours resumed. The two
-    stages run at once: a launch of 2 ranks keeps about one core of two busy."""
+    """Per ZeRO stage: DeepSpeed's run, ours (ZeRO 3 in a virtualenv without DeepSpeed) and ours resumed (ZeRO 2:
+    `relaunch`; ZeRO 3: ds-fsdp again, in the virtualenv). The two stages run at once: a launch of 2 ranks keeps about
+    one core of two busy."""
     roots = {zero: tmp_path_factory.mktemp(f"trainer_zero{zero}") for zero in (2, 3)}
 
     def stage(zero: int) -> dict:
@@ -455,7 +468,10 @@ def trainer_runs(tmp_path_factory, pretrained, venv_python) -> dict[int, dict]:
         launch("deepspeed", TRAINER_SCRIPT, root / "deepspeed", *flags)
         python = venv_python if zero == 3 else sys.executable
         log = launch("ds-fsdp", TRAINER_SCRIPT, root / "ours", *flags, python=python)
-        launch("ds-fsdp", TRAINER_SCRIPT, root / "ours", *flags, "--resume", python=python)
+        if zero == 3:
+            launch("ds-fsdp", TRAINER_SCRIPT, root / "ours", *flags, "--resume", python=python)
+        else:
+            relaunch(TRAINER_SCRIPT, root / "ours", *flags, "--resume")
         return {
             "root": root,
             "log": log,
@@ -497,8 +513,8 @@ def test_accelerate_loop_matches_deepspeed_through_ds_fsdp(tmp_path, pretrained)
     with ThreadPoolExecutor(1) as pool:  # DeepSpeed's run, then the offload one, beside ours and its resume
         reference_run = pool.submit(launch, "deepspeed", LOOP_SCRIPT, tmp_path / "deepspeed", *flags)
         log = launch("ds-fsdp", LOOP_SCRIPT, tmp_path / "ours", *flags)
-        offload_run = pool.submit(launch, "ds-fsdp", LOOP_SCRIPT, tmp_path / "offload", *flags, "--offload")
-        launch("ds-fsdp", LOOP_SCRIPT, tmp_path / "ours", *flags, "--resume")
+        offload_run = pool.submit(relaunch, LOOP_SCRIPT, tmp_path / "offload", *flags, "--offload")
+        relaunch(LOOP_SCRIPT, tmp_path / "ours", *flags, "--resume")
         reference_run.result(), offload_run.result()
     reference = json.loads((tmp_path / "deepspeed" / "result.json").read_text())["losses"]
     ours = json.loads((tmp_path / "ours" / "result.json").read_text())["losses"]

@@ -6,14 +6,12 @@ saves loads in PEFT and gives the run's loss; the adapter layout conversions are
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, clean_env, mean_relative_error, read_metrics, train, train_many
+from conftest import mean_relative_error, read_metrics, train, train_many
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Glm4vMoeForConditionalGeneration
 
@@ -22,6 +20,7 @@ from glm45v_fsdp.checkpoint.dcp import read_model_tensors
 from glm45v_fsdp.config import ModelConfig
 from glm45v_fsdp.lora.peft_format import from_peft, to_peft
 from glm45v_fsdp.model import load_hf_config
+from glm45v_fsdp.tools import convert, preflight
 
 STEPS = 4
 RANK, ALPHA = 4, 8.0
@@ -260,17 +259,17 @@ def test_a_frozen_base_in_bf16_changes_no_loss(tmp_path):
     assert "is stored in" not in results["fp32 base"][0]
 
 
-def test_preflight_counts_a_frozen_bf16_base_and_no_optimizer_for_it():
+def test_preflight_counts_a_frozen_bf16_base_and_no_optimizer_for_it(capsys):
     """106B LoRA r=8 (attention + routed experts) on 8 ranks: the base's bytes per rank halve in bf16; gradients and
     optimizer state are the adapters' only; it fits the 64 GiB device, which the fp32 base does not."""
     figures = {}
     for stored in ("true", "false"):
-        command = [sys.executable, "-m", "glm45v_fsdp.tools.preflight", "--json", "--world-size", "8", "--config",
-                   "glm45v_106b_sft", "model.lora.rank=8", "model.lora.experts=true",
-                   f"model.lora.frozen_in_compute_dtype={stored}"]  # fmt: skip
-        result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        figures[stored] = json.loads(result.stdout)["memory"]
+        argv = ["--json", "--world-size", "8", "--config", "glm45v_106b_sft", "model.lora.rank=8",
+                "model.lora.experts=true", f"model.lora.frozen_in_compute_dtype={stored}"]  # fmt: skip
+        code = preflight.main(argv)  # in process, as test_plan runs preflight: no interpreter start-up
+        out, err = capsys.readouterr()
+        assert code == 0, err[-3000:]
+        figures[stored] = json.loads(out)["memory"]
     bf16, fp32 = (figures[key]["per_rank"][0] for key in ("true", "false"))
     assert 0.49 < bf16["params"] / fp32["params"] < 0.51
     assert bf16["grads"] == fp32["grads"] and bf16["optimizer"] == fp32["optimizer"]
@@ -279,17 +278,17 @@ def test_preflight_counts_a_frozen_bf16_base_and_no_optimizer_for_it():
 
 
 @pytest.mark.parametrize("which", ["ours", "PEFT's"])
-def test_lora_merge_gives_the_adapted_models_loss(runs, base_and_adapter, tmp_path, which):
+def test_lora_merge_gives_the_adapted_models_loss(runs, base_and_adapter, tmp_path, capsys, which):
     """tools.convert lora-merge: base + adapter (the EP 2 run's, or PEFT's own file) -> an HF directory that
     transformers' from_pretrained loads and that gives PEFT's loss with the adapter on the same batch."""
     base, start = base_and_adapter
     out = runs["EP 2 + recompute + dynamic chunk loss"]
     adapter = out / "adapter" if which == "ours" else start
     merged = tmp_path / "merged"
-    command = [sys.executable, "-m", "glm45v_fsdp.tools.convert", "lora-merge", str(base), str(adapter), str(merged)]
-    result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "(24 adapted weight(s))" in result.stdout, result.stdout  # 18 linear layers, 3 x 2 expert stacks
+    code = convert.main(["lora-merge", str(base), str(adapter), str(merged)])  # in process, as test_hf_weights
+    printed, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert "(24 adapted weight(s))" in printed, printed  # 18 linear layers, 3 x 2 expert stacks
     batch_file = out / "batches" / "rank0_micro0.pt"
     model = Glm4vMoeForConditionalGeneration.from_pretrained(merged, dtype=torch.float32)
     with torch.no_grad():

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, clean_env
+from conftest import REPO, bench_runs_forked, clean_env
 
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.tools import plan, preflight
@@ -133,8 +133,9 @@ def test_calibrate_and_validate_run_here(tmp_path, capsys):
     device = json.loads(calibration.read_text())["device"]
     assert device["fp32_tflops"] > 0 and device["intra_gbps"] > 0 and device["intra_latency_us"] > 0
     assert device["overlap"] is False and device["devices_per_node"] == 2
-    code, out, err = run_plan(capsys, "--validate", "--calibration", str(calibration), "--steps", "3",
-                              "--repeats", "1", "--out", str(tmp_path / "validate"))  # fmt: skip
+    with bench_runs_forked():  # the six layouts' runs forked by the suite's zygote
+        code, out, err = run_plan(capsys, "--validate", "--calibration", str(calibration), "--steps", "3",
+                                  "--repeats", "1", "--out", str(tmp_path / "validate"))  # fmt: skip
     assert code == 0, err
     report = json.loads((tmp_path / "validate" / "plan_validate.json").read_text())
     assert len(report["rows"]) == 6

@@ -7,18 +7,17 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import clean_env, read_metrics, train
+from conftest import read_metrics, train
 from safetensors.torch import load_file, save_file
 from transformers import Glm4vMoeForConditionalGeneration
 
 from glm45v_fsdp.config import ModelConfig
 from glm45v_fsdp.model import load_hf_config
+from glm45v_fsdp.tools import convert
 
 REPO = Path(__file__).resolve().parents[1]
 FP32_ONE_MICRO_BATCH = [
@@ -120,15 +119,7 @@ def test_export_loads_in_transformers_and_weights_only_dcp_starts_the_same(tmp_p
 
     # hf-to-dcp, then start from the DCP copy: same step-1 loss as from the HF directory.
     dcp_dir = tmp_path / "dcp"
-    convert = subprocess.run(
-        [sys.executable, "-m", "glm45v_fsdp.tools.convert", "hf-to-dcp", str(exported), str(dcp_dir)],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert convert.returncode == 0, convert.stderr[-3000:]
+    assert convert.main(["hf-to-dcp", str(exported), str(dcp_dir)]) == 0  # in process, as test_hf_weights runs it
     from_dcp = tmp_path / "from_dcp"
     result = train(from_dcp, FP32_ONE_MICRO_BATCH + ["training.train_iters=1", f"training.load={dcp_dir}"])
     assert result.returncode == 0, result.stderr[-3000:]
