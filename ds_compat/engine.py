@@ -49,6 +49,7 @@ from ds_compat.glm_door import (
     take_weights,
     with_units,
 )
+from ds_compat.step_watch import watch_steps, watched
 from ds_compat.utils import groups, z3_leaf_module
 from ds_compat.zero.partition_parameters import gather_full, is_partitioned
 from glm45v_fsdp.builders import adopt_model
@@ -422,6 +423,7 @@ class DeepSpeedEngine(nn.Module):
             type(self.optimizer).__name__ if self.optimizer is not None else None,
             self.lr_scheduler,
         )
+        watch_steps(self._config.training, self.global_rank, self.world_size)  # a stuck job ends (step_watch.py)
 
     # ------------------------------------------------------------------------------------------------------
     # Setup
@@ -711,6 +713,7 @@ class DeepSpeedEngine(nn.Module):
     def eval(self) -> DeepSpeedEngine:
         return self.train(False)
 
+    @watched
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if isinstance(self.core, FSDPModule):
             # FSDP2 takes the first sharded module run as its root: a script's pre-hook may run one of the model's
@@ -727,6 +730,7 @@ class DeepSpeedEngine(nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self._is_gradient_accumulation_boundary = is_boundary
 
+    @watched
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """loss / gradient_accumulation_steps (returned, as DeepSpeed), backpropagated divided by the data-parallel
         size too: the FSDP2 core sums gradients over ranks, DeepSpeed averages them (under DeepSpeed's ALST mpu at
@@ -745,6 +749,7 @@ class DeepSpeedEngine(nn.Module):
         for param in self.module.parameters():
             param.grad = None
 
+    @watched
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At the accumulation boundary: the trainer's step (clip at gradient_clipping, skip on a non-finite norm,
         optimizer step, lr scheduler step with `lr_kwargs`, zero the gradients), then count the step. Every call

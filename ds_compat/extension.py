@@ -29,10 +29,13 @@ DECIDED_BY_DEEPSPEED = {
     "features.recompute.enabled": "activation_checkpointing (or the model's gradient_checkpointing_enable())",
     "features.activation_offload.enabled": "activation_checkpointing.cpu_checkpointing",
 }
+# The training keys the section may hold (the step deadline, ds_compat/step_watch.py): DeepSpeed has none for them.
+TRAINING_KEYS_TAKEN = ("training.step_timeout_s", "training.output_dir")
 # Sections and keys the script owns under the DeepSpeed API (and the ds_config's own keys under our trainer).
 OWNED_ELSEWHERE = {
     "training": "the batch sizes, optimizer, schedule, clipping and precision come from the ds_config's DeepSpeed "
-    "keys, the training loop from the script",
+    "keys, the training loop from the script (of this section only training.step_timeout_s and training.output_dir "
+    "are taken: the step deadline)",
     "data": "the script's data loader feeds the batches",
     "model.preset": "the model is the one the script passes to deepspeed.initialize",
     "model.name_or_path": "the model is the one the script passes to deepspeed.initialize",
@@ -80,7 +83,7 @@ def map_extension(ds: dict, report: Report) -> None:
     leaves = section_leaves(section)
     for path, value in leaves:
         owner = next((key for key in OWNED_ELSEWHERE if path == key or path.startswith(key + ".")), None)
-        if owner is not None:
+        if owner is not None and path not in TRAINING_KEYS_TAKEN:
             raise ConfigError(
                 f"DeepSpeed config key '{EXTENSION_KEY}.{path}' = {value!r} cannot be set here: "
                 f"{OWNED_ELSEWHERE[owner]}. Remove it from the '{EXTENSION_KEY}' section."

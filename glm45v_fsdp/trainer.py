@@ -50,8 +50,7 @@ from glm45v_fsdp.runtime import MemoryMeter
 from glm45v_fsdp.runtime.faults import Fault
 from glm45v_fsdp.runtime.preemption import EXIT_PREEMPTED, PreemptionWatch
 from glm45v_fsdp.runtime.profiling import StepProfiler
-from glm45v_fsdp.runtime.stuck import CollectiveLog, StepDeadline
-from glm45v_fsdp.runtime.watchdog import current_watchdog
+from glm45v_fsdp.runtime.stuck import StepDeadline, start_step_deadline
 from glm45v_fsdp.step import OptimizerStep, StepOutcome
 
 Batch = dict[str, torch.Tensor]
@@ -513,7 +512,7 @@ class Trainer:
             desc="train",
         )
         self.model.train()
-        self.deadline = self._step_deadline().start() if training.step_timeout_s != 0 else None
+        self.deadline = self._step_deadline() if training.step_timeout_s != 0 else None
         try:
             with self.preemption.installed():
                 self._loop(iterator, bar)
@@ -572,18 +571,10 @@ class Trainer:
         return lambda checkpoint: save_adapter(self.model, checkpoint / "adapter", base)
 
     def _step_deadline(self) -> StepDeadline:
-        """The stuck-job deadline of this run (runtime/stuck.py), on the fast-failure watchdog's store when the job
-        has one (its verdict names the ranks behind), with every collective of this process logged."""
-        collectives = CollectiveLog()
-        collectives.install()
-        return StepDeadline(
-            self.config.training.step_timeout_s,
-            self.runtime.env.rank,
-            self.runtime.env.world_size,
-            current_watchdog(),
-            self.output_dir / "stuck",
-            collectives,
-        )
+        """The stuck-job deadline of this run (runtime/stuck.py), started now."""
+        training = self.config.training
+        env = self.runtime.env
+        return start_step_deadline(training.step_timeout_s, env.rank, env.world_size, self.output_dir / "stuck")
 
     def _summary(self) -> dict[str, Any]:
         """summarize() over this process's steps; empty when a resume started at training.train_iters."""

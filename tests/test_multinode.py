@@ -731,3 +731,83 @@ def test_torchrun_restarts_across_nodes_resume_like_the_straight_run(elastic, ca
     assert relative_error([r["loss"] for r in records], reference) <= 1e-6
     shared_store_note = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in job.log
     assert shared_store_note == (case == "rank killed"), job.log[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A stuck job under the DeepSpeed door across the nodes (ds_compat/step_watch.py): the DeepSpeed-API script of
+# tests/ds_stuck_script.py on node0 + node1 (one rank each) under every multi-host launcher of the DeepSpeed world;
+# node1's rank stops after step 3 and node0's waits for it in a collective. Every rank logs the verdict naming rank
+# 1 and exits 5; no process of the job is left on any node within training.step_timeout_s + 30 s of the fault.
+STUCK_SCRIPT = REPO / "tests" / "ds_stuck_script.py"
+STUCK_LAUNCHERS = ("deepspeed", "ds-fsdp", "srun", "mpirun")
+STUCK_TIMEOUT_S = 5
+STUCK_BOUND_S = STUCK_TIMEOUT_S + 30
+
+
+def stuck_jobs(cluster, slurm, root: Path) -> list[Launch]:
+    hostfile = root / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    jobs = []
+    for launcher in STUCK_LAUNCHERS:
+        folder, port = root / launcher, str(next(_ports))
+        folder.mkdir()
+        script = [str(STUCK_SCRIPT), "--mode", "api", "--out", str(folder), "--timeout", str(STUCK_TIMEOUT_S)]
+        env = node_env(cluster)
+        if launcher in ("deepspeed", "ds-fsdp"):
+            (folder / "home").mkdir()
+            (folder / "home" / ".deepspeed_env").write_text("DS_ACCELERATOR=cpu\nOMP_NUM_THREADS=1\n")
+            env["HOME"] = str(folder / "home")
+        if launcher == "deepspeed":
+            commands = [(0, [shutil.which("deepspeed"), "-H", str(hostfile), "--master_port", port, *script])]
+        elif launcher == "ds-fsdp":
+            commands = [(0, [sys.executable, "-m", "ds_compat.launcher", "-H", str(hostfile), "--master_port", port,
+                             *script])]  # fmt: skip
+        elif launcher == "srun":
+            env.update(slurm.env(), MASTER_PORT=port, DS_ACCELERATOR="cpu")
+            commands = [(0, ["srun", "--nodes=2", "--nodelist=node0,node1", "--ntasks-per-node=1",
+                             "--kill-on-bad-exit=1", f"--chdir={REPO}", sys.executable, *script])]  # fmt: skip
+        else:
+            env["DS_ACCELERATOR"] = "cpu"
+            commands = [(0, ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
+                             "--host", "node0:1,node1:1", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
+                             "-x", "DS_ACCELERATOR", "-x", "MASTER_ADDR=node0", "-x", f"MASTER_PORT={port}",
+                             sys.executable, *script])]  # fmt: skip
+        jobs.append(Launch(launcher, folder, commands, env))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def door_stuck(cluster, slurm_nodes, tmp_path_factory) -> dict[str, dict]:
+    """All four jobs at once; per job: the seconds from its fault until none of its processes is left on any node."""
+    jobs = stuck_jobs(cluster, slurm_nodes, tmp_path_factory.mktemp("door_stuck"))
+    for job in jobs:
+        job.start(cluster)
+    gone: dict[str, float] = {}
+    deadline = time.time() + 400
+    try:
+        while len(gone) < len(jobs) and time.time() < deadline:
+            for job in jobs:
+                fired = job.folder / "fired"
+                if job.name not in gone and job.finished() and not job_processes(cluster, job.folder):
+                    gone[job.name] = time.time() - fired.stat().st_mtime if fired.exists() else float("inf")
+            time.sleep(0.2)
+    finally:
+        for job in jobs:
+            for process in job.processes:
+                if process.poll() is None:
+                    process.kill()
+        kill_strays(cluster, slurm_nodes)
+    print("stuck door job: seconds from the fault until no process is left", json.dumps(gone))
+    return {job.name: {"seconds": gone.get(job.name), "codes": job.codes, "log": job.log, "folder": job.folder}
+            for job in jobs}  # fmt: skip
+
+
+@pytest.mark.parametrize("launcher", STUCK_LAUNCHERS)
+def test_a_stuck_rank_ends_the_deepspeed_door_job_on_every_node(door_stuck, launcher):
+    job = door_stuck[launcher]
+    log = job["log"]
+    assert job["seconds"] is not None and job["seconds"] <= STUCK_BOUND_S, (job["seconds"], log[-4000:])
+    assert any(code != 0 for code in job["codes"]), job["codes"]
+    for rank in (0, 1):
+        assert f"rank{rank}] stuck: rank(s) 1 behind: after step 3" in log, log[-4000:]
+        assert (job["folder"] / "stuck" / f"rank{rank}.txt").is_file()

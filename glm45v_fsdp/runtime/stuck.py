@@ -2,8 +2,9 @@
 enters, a hung NCCL/HCCL call) still heartbeats, so the fast-failure watchdog cannot tell; the step deadline can.
 
 `CollectiveLog` records every torch.distributed collective this process enters and leaves (a sequence number, the
-name, the group) in a ring of the last 64. `StepDeadline` runs a daemon thread: when no step has finished for
-`training.step_timeout_s` (default: max(600 s, 20 x the median step after the first 3), 0: off), the rank
+name, the group) in a ring of the last 64; `collective_log()` is the process's one log. `StepDeadline` runs a daemon
+thread: when no step has finished for `training.step_timeout_s` (default: max(600 s, 20 x the median step after the
+first 3), 0: off), the rank
 - writes its Python stacks (faulthandler, every thread) and its collective log to <output_dir>/stuck/rank{R}.txt and
   stderr,
 - posts that the verdict has started, and its last finished step and its last collective, to the job's store,
@@ -17,6 +18,8 @@ Which rank's timer fires first changes nothing: one outcome, every rank logs the
 verdict has started, an error its main thread meets meanwhile (a collective whose peer has already exited) waits for
 the verdict's exit instead of ending the process with its own code (`hold_for_stuck_exit`).
 `training.resume=auto` then continues from the last checkpoint.
+`start_step_deadline` starts one for either door: the trainer watches its whole step loop; the DeepSpeed door
+(ds_compat/step_watch.py) watches the time spent inside the engine's calls and `pause`s the deadline between them.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from glm45v_fsdp.log import get_logger
-from glm45v_fsdp.runtime.watchdog import Watchdog
+from glm45v_fsdp.runtime.watchdog import Watchdog, current_watchdog
 
 EXIT_STUCK = 5
 DEFAULT_FLOOR_S = 600.0
@@ -68,6 +71,7 @@ class CollectiveLog:
     def __init__(self, size: int = 64) -> None:
         self.entries: collections.deque[dict[str, Any]] = collections.deque(maxlen=size)
         self.count = 0
+        self.waiting_since: float | None = None  # time.monotonic() when the blocking collective now running began
         self._lock = threading.Lock()
 
     def install(self) -> None:
@@ -87,7 +91,14 @@ class CollectiveLog:
                 self.count += 1
                 entry = {"seq": self.count, "name": name, "group": _group_name(group), "state": "entered"}
                 self.entries.append(entry)
-            result = original(*args, **kwargs)
+            blocking = not kwargs.get("async_op") and self.waiting_since is None
+            if blocking:
+                self.waiting_since = time.monotonic()
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                if blocking:
+                    self.waiting_since = None
             entry["state"] = "left" if not kwargs.get("async_op") else "issued (async)"
             return result
 
@@ -96,6 +107,24 @@ class CollectiveLog:
 
     def last(self) -> dict[str, Any] | None:
         return dict(self.entries[-1]) if self.entries else None
+
+
+_process_log: CollectiveLog | None = None
+
+
+def collective_log() -> CollectiveLog:
+    """This process's collective log, installed on first use (every deadline of the process reads the same one)."""
+    global _process_log
+    if _process_log is None:
+        _process_log = CollectiveLog()
+        _process_log.install()
+    return _process_log
+
+
+def start_step_deadline(timeout_s: float | None, rank: int, world: int, dump_dir: Path) -> StepDeadline:
+    """A running step deadline (timeout_s: training.step_timeout_s, None: the default rule), on the fast-failure
+    watchdog's store when the job has one (its verdict names the ranks behind), with every collective logged."""
+    return StepDeadline(timeout_s, rank, world, current_watchdog(), dump_dir, collective_log()).start()
 
 
 def _group_name(group: Any) -> str:
@@ -126,6 +155,7 @@ class StepDeadline:
         self.step = 0
         self.step_seconds: list[float] = []
         self._progress = time.monotonic()
+        self._paused = False  # between the watched calls (the DeepSpeed door): the deadline does not count
         self._stop = threading.Event()
         self._joined = threading.Event()  # another rank started the verdict
         self._thread = threading.Thread(target=self._run, name="glm45v-step-deadline", daemon=True)
@@ -147,18 +177,34 @@ class StepDeadline:
     def step_done(self, step: int, seconds: float) -> None:
         self.step = step
         self.step_seconds.append(seconds)
-        self._progress = time.monotonic()
+        self.note_progress()
 
     def note_progress(self) -> None:
         """Work between steps (an eval's batch) went on: the deadline counts from now."""
         self._progress = time.monotonic()
+        self._paused = False
+
+    def pause(self) -> None:
+        """The watched work is left (the DeepSpeed door: the script's own code between calls into the engine): until
+        the next note_progress or step_done the deadline counts only while the rank waits in a blocking collective
+        (the script's own, e.g. the HF Trainer's gather of the step's token count). A verdict another rank started
+        is still joined."""
+        self._paused = True
+
+    def waited_s(self) -> float:
+        """Seconds the deadline has counted: since the last progress, or, paused, in the blocking collective."""
+        now = time.monotonic()
+        if not self._paused:
+            return now - self._progress
+        since = self.collectives.waiting_since
+        return 0.0 if since is None else now - since
 
     def stop(self) -> None:
         self._stop.set()
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            waited = time.monotonic() - self._progress
+            waited = self.waited_s()
             if self._joined.is_set() or waited > self.timeout_s:
                 self._fire(waited)
                 return
