@@ -217,12 +217,16 @@ def test_the_engine_door_reports_a_full_disk_in_one_paragraph(tmp_path):
 
 def test_write_time_checksums_are_the_read_back_ones(run):
     """The manifests of this run's save, HF export and DeepSpeed conversion, whose checksums were taken as the files
-    were written (checkpoint/digest_on_write.py), list the same bytes and digests as reading every file back does."""
+    were written (checkpoint/digest_on_write.py), list the same bytes and digests as reading every file back does
+    (as bench checkpoint's read-back row finds too)."""
+    from glm45v_fsdp.bench import checkpoint
     from glm45v_fsdp.checkpoint import integrity
 
     for directory in (run / "save" / "step_00000004", run / "hf", locate(run / "ds").tag_dir):
         files = json.loads((directory / MANIFEST_FILE).read_text())["files"]
         assert files == integrity.checksums(directory, [directory / name for name in files]), directory
+    back = checkpoint.read_back(run / "save")
+    assert back["checkpoint"] == "step_00000004" and back["same_as_manifest"] and back["bytes"] > 6_000_000
 
 
 def test_checkpoint_model_matches_the_bytes_on_disk(run):
