@@ -8,9 +8,11 @@ AdamW step, then
   taken the old way, read back (integrity.checksums without the write-time digests: the digests must agree);
 - verify: integrity.verify, collective (each file hashed once, by one rank, split by bytes);
 - load: checkpoint.dcp.load_checkpoint (model and optimizer, strict).
-Every phase starts after a barrier; a rank's seconds are its own, its bytes `/proc/self/io` rchar / wchar deltas
-(bytes through read(2) / write(2), page cache or not). With --cold each rank drops the checkpoint's files from the page
-cache (posix_fadvise DONTNEED, no privileges needed) before verify and load, so they read from the disk.
+Every phase starts after a barrier; a rank's seconds are its own (wall, which for verify includes waiting in the
+verdict's collective for the slowest rank, and CPU: the process's user + system seconds, every thread's), its bytes
+`/proc/self/io` rchar / wchar deltas (bytes through read(2) / write(2), page cache or not). With --cold each rank
+drops the checkpoint's files from the page cache (posix_fadvise DONTNEED, no privileges needed) before verify and
+load, so they read from the disk.
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ def _phase(name: str, run: Any, figures: dict[str, Any]) -> Any:
     import torch.distributed as dist
 
     dist.barrier()
-    before, started = io_counters(), time.perf_counter()
+    before, started, cpu = io_counters(), time.perf_counter(), time.process_time()
     result = run()
-    seconds, after = time.perf_counter() - started, io_counters()
+    seconds, cpu, after = time.perf_counter() - started, time.process_time() - cpu, io_counters()
     read, written = after["rchar"] - before["rchar"], after["wchar"] - before["wchar"]
-    figures[name] = {"s": seconds, "read": read, "written": written}
+    figures[name] = {"s": seconds, "cpu_s": cpu, "read": read, "written": written}
     return result
 
 
@@ -156,6 +158,7 @@ def summarize(ranks: int, figures: list[dict[str, Any]], model: dict[str, Any]) 
         "save_written_per_rank_max": max(rank["save"]["written"] for rank in figures),
         "read_back_s": max(rank["read_back"]["s"] for rank in figures),
         "verify_s_per_rank": worst("verify"),
+        "verify_cpu_s_per_rank": max(rank["verify"]["cpu_s"] for rank in figures),
         "verify_read": total("verify", "read"),
         "verify_read_per_rank_max": max(rank["verify"]["read"] for rank in figures),
         "load_s": worst("load"),
@@ -167,28 +170,31 @@ def summarize(ranks: int, figures: list[dict[str, Any]], model: dict[str, Any]) 
 def markdown(result: dict[str, Any]) -> str:
     mb = 1e6
     columns = ("ranks", "checkpoint MB (model)", "save s", "written MB (max rank)", "read-back checksums s",
-               "verify s per rank", "verify read MB (max rank)", "load s", "load read MB")  # fmt: skip
+               "verify s (CPU s) per rank", "verify read MB (max rank)", "load s", "load read MB")  # fmt: skip
     cells = [
         [row["ranks"], f"{row['checkpoint_bytes'] / mb:.1f} ({row['modelled_checkpoint_bytes'] / mb:.1f})",
          f"{row['save_s']:.3f}", f"{row['save_written'] / mb:.1f} ({row['save_written_per_rank_max'] / mb:.1f})",
-         f"{row['read_back_s']:.3f}", f"{row['verify_s_per_rank']:.3f}",
+         f"{row['read_back_s']:.3f}", f"{row['verify_s_per_rank']:.3f} ({row['verify_cpu_s_per_rank']:.3f})",
          f"{row['verify_read'] / mb:.1f} ({row['verify_read_per_rank_max'] / mb:.1f})", f"{row['load_s']:.3f}",
          f"{row['load_read'] / mb:.1f}"]
         for row in result["rows"]
     ]  # fmt: skip
-    falls = result["verify_per_rank_falls"]
+    falls, cpu_falls = result["verify_per_rank_falls"], result["verify_cpu_per_rank_falls"]
     cache = "cold page cache (posix_fadvise DONTNEED before verify and load)" if result["cold"] else "warm page cache"
     lines = [
         "# Checkpoint save / verify / load by rank count (CPU, gloo)",
         "",
         *md_table(columns, cells),
         "",
-        f"- verify seconds per rank fall as ranks grow: {'yes' if falls else 'NO'}; bytes each rank reads to verify "
-        "fall as 1 / ranks (each file hashed once, by one rank).",
+        f"- as ranks grow, verify's wall seconds per rank fall: {'yes' if falls else 'NO'}; its CPU seconds per rank "
+        f"fall: {'yes' if cpu_falls else 'NO'}; the bytes each rank reads to verify fall as 1 / ranks (each file "
+        "hashed once, by one rank). Wall seconds include the verdict's collective and, with more ranks than cores, "
+        "the ranks' turns on the cores.",
         f"- {cache}; seconds are the slowest rank's; bytes are /proc/self/io rchar / wchar deltas summed over the "
         "ranks.",
         "- read-back checksums: the save's checksums the old way (each rank reads its files back and hashes them), "
         "which the write-time digests replace; both give the same manifest (asserted).",
+        f"- {result['cpus']} CPUs, load average {', '.join(f'{v:.2f}' for v in result['load_average'])} at the end.",
         f"- command: {' '.join(result['command'])}",
     ]
     return "\n".join(lines) + "\n"
@@ -216,14 +222,21 @@ def main_checkpoint_scaling(args: argparse.Namespace, argv: list[str]) -> int:
     for count in ranks:
         figures = run_job(args.out / f"ranks{count}", count, args.mib, args.cold, args.run_timeout)
         rows.append(summarize(count, figures, modelled(args.mib, count)))
-    verify = [row["verify_s_per_rank"] for row in rows]
+
+    def falls(key: str) -> bool:
+        values = [row[key] for row in rows]
+        return all(later < earlier for earlier, later in zip(values, values[1:]))
+
     result = {
         "benchmark": "checkpoint-scaling",
         "command": bench_command(argv),
         "cold": args.cold,
         "mib": args.mib,
         "rows": rows,
-        "verify_per_rank_falls": all(later < earlier for earlier, later in zip(verify, verify[1:])),
+        "verify_per_rank_falls": falls("verify_s_per_rank"),
+        "verify_cpu_per_rank_falls": falls("verify_cpu_s_per_rank"),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
     }
     write_report(args.out, "checkpoint_scaling", result, markdown(result))
     return 0
