@@ -213,3 +213,42 @@ def test_the_engine_door_reports_a_full_disk_in_one_paragraph(tmp_path):
         assert "save_checkpoint(" in result.stderr and "no space left (ENOSPC" in result.stderr
         assert "No checkpoint of this run is complete yet; the partial global_step0 was removed" in result.stderr
         assert sorted(p.name for p in (disk / "ck").iterdir()) == []
+
+
+def test_write_time_checksums_are_the_read_back_ones(run):
+    """The manifests of this run's save, HF export and DeepSpeed conversion, whose checksums were taken as the files
+    were written (checkpoint/digest_on_write.py), list the same bytes and digests as reading every file back does
+    (as bench checkpoint's read-back row finds too)."""
+    from glm45v_fsdp.bench import checkpoint
+    from glm45v_fsdp.checkpoint import integrity
+
+    for directory in (run / "save" / "step_00000004", run / "hf", locate(run / "ds").tag_dir):
+        files = json.loads((directory / MANIFEST_FILE).read_text())["files"]
+        assert files == integrity.checksums(directory, [directory / name for name in files]), directory
+    back = checkpoint.read_back(run / "save")
+    assert back["checkpoint"] == "step_00000004" and back["same_as_manifest"] and back["bytes"] > 6_000_000
+
+
+def test_checkpoint_model_matches_the_bytes_on_disk(run):
+    """planner/checkpoint_time.py's sizes, from the tiny model's parameter specs (preflight's), against this run's
+    1-rank save and HF export on disk: within 1 % (the model leaves out the persistent buffers and the manifest; the
+    HF figure is the safetensors files')."""
+    from glm45v_fsdp.config import load_config
+    from glm45v_fsdp.model import build_meta_model, load_hf_config
+    from glm45v_fsdp.planner.checkpoint_time import sizes
+    from glm45v_fsdp.preflight import check_plans, planned_params
+    from glm45v_fsdp.runtime import build_parallel_dims
+
+    config = load_config(None, [])
+    hf_config = load_hf_config(config.model)
+    model = build_meta_model(hf_config)
+    dims = build_parallel_dims(config.parallel, 1)
+    matched, errors = check_plans(model, config, dims, hf_config)
+    assert not errors
+    planned = planned_params(model, config, dims, matched)
+    modelled = sizes(planned.specs, planned.layout, 1)
+    checkpoint = run / "save" / "step_00000004"
+    on_disk = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file() and f.name != MANIFEST_FILE)
+    safetensors = sum(f.stat().st_size for f in (run / "hf").glob("*.safetensors"))
+    assert modelled.dcp == pytest.approx(on_disk, rel=0.01), (modelled.dcp, on_disk)
+    assert modelled.hf == pytest.approx(safetensors, rel=0.01), (modelled.hf, safetensors)

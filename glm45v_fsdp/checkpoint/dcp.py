@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from glm45v_fsdp.checkpoint.base_reference import BASE_FILE, holds_trainable_only, write_base
 from glm45v_fsdp.checkpoint.deepspeed import locate, tag_dir_of
+from glm45v_fsdp.checkpoint.digest_on_write import WrittenDigests, dcp_writer
 from glm45v_fsdp.checkpoint.hf import detect_format, holds_weights, refuse_pickle_weights
 from glm45v_fsdp.checkpoint.integrity import MANIFEST_FILE, has_manifest, merge_parts, verify, write_part
 from glm45v_fsdp.checkpoint.layout import KeyDiff, compare_keys, describe_diff
@@ -486,10 +487,14 @@ def storage_error(
     )
 
 
-def save_pt(obj: Any, path: Path) -> None:
-    """torch.save through memory: a full disk raises the OSError (ENOSPC) instead of torch's writer's RuntimeError."""
+def save_pt(obj: Any, path: Path, written: WrittenDigests | None = None) -> None:
+    """torch.save through memory: a full disk raises the OSError (ENOSPC) instead of torch's writer's RuntimeError;
+    `written`: the file's checksum is taken from the buffer as it is written."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
+    if written is not None:
+        written.write_file(path, buffer.getbuffer())
+        return
     with path.open("wb") as stream:
         stream.write(buffer.getbuffer())
 
@@ -498,7 +503,7 @@ def directory_bytes(path: Path) -> int:
     return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
 
 
-def _own_files(checkpoint: Path, rank: int) -> list[Path]:
+def own_files(checkpoint: Path, rank: int) -> list[Path]:
     """The files rank `rank` wrote into a checkpoint: its DCP shards and RNG states, and rank 0's metadata and
     trainer state."""
     files = [*checkpoint.glob(f"__{rank}_*.distcp"), rng_file(checkpoint, rank)]
@@ -580,7 +585,7 @@ class Checkpointer:
         self.blocked_s = 0.0
         self._pending: _Pending | None = None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-checksums")
-        self.hashed = (0, 0.0)  # (bytes, seconds) this rank hashed at its last save
+        self.hashed = (0, 0.0)  # (bytes, seconds) of this rank's checksums at its last save, after its write
         self.log = get_logger()
 
     def due(self, step: int) -> bool:
@@ -606,30 +611,32 @@ class Checkpointer:
         tmp = self.save_dir / f"{checkpoint_name(step)}{TMP_SUFFIX}"
         self._warn_if_short_of_space()
         background = self.async_save and not sync
+        written = WrittenDigests()  # this save's checksums, taken as its files are written
         try:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # an interrupted earlier attempt at this step
                 (tmp / RNG_DIR).mkdir(parents=True)
-                save_pt(trainer_state, tmp / TRAINER_STATE_FILE)
+                save_pt(trainer_state, tmp / TRAINER_STATE_FILE, written)
                 if self.base is not None:
                     write_base(tmp, self.base)
             dist.barrier()
             if self.extra is not None:
                 self.extra(tmp)
-            save_pt(rng_state, rng_file(tmp, self.rank))
+            save_pt(rng_state, rng_file(tmp, self.rank), written)
             state = model_and_optimizer_state(model, optimizer, trainable_only=self.base is not None)
+            writer = dcp_writer(tmp, written)
             if background:
-                written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
-                future = self._hasher.submit(self._checksums, tmp, written)
+                stored = dcp.async_save(state, checkpoint_id=tmp, storage_writer=writer, process_group=self.group)
+                future = self._hasher.submit(self._checksums, tmp, written, stored)
                 self._pending = _Pending(step, tmp, future, start, best)
                 if self.fault is not None:
                     self.fault.maybe_fire(self.rank, step, in_save=True)
             else:
                 # DCP's final step is the barrier: rank 0 writes .metadata only after every rank reported its files.
-                dcp.save(state, checkpoint_id=tmp)
+                dcp.save(state, checkpoint_id=tmp, storage_writer=writer)
                 if self.fault is not None:
                     self.fault.maybe_fire(self.rank, step, in_save=True)
-                self._checksums(tmp)
+                self._checksums(tmp, written)
                 self._publish(step, tmp, start, background=False, best=best)
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             self._fail(error, step, tmp)
@@ -662,14 +669,15 @@ class Checkpointer:
             self._fail(error, pending.step, pending.tmp)
         self._publish(pending.step, pending.tmp, pending.started, background=True, best=pending.best)
 
-    def _checksums(self, tmp: Path, written: Future | None = None) -> None:
-        """Hash the files this rank wrote (after an async write finished); rank 0 then waits for every rank's
+    def _checksums(self, tmp: Path, written: WrittenDigests, stored: Future | None = None) -> None:
+        """The checksums of the files this rank wrote (after an async write finished): those taken as they were
+        written, the others (a LoRA run's adapter and base reference) read back; rank 0 then waits for every rank's
         part and writes the manifest."""
-        if written is not None:
-            written.result()
+        if stored is not None:
+            stored.result()
         started = time.perf_counter()
-        files = _own_files(tmp, self.rank)
-        write_part(tmp, self.rank, files)
+        files = own_files(tmp, self.rank)
+        write_part(tmp, self.rank, files, written)
         self.hashed = (sum(file.stat().st_size for file in files), time.perf_counter() - started)
         if self.rank == 0:
             merge_parts(tmp, self.world_size)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from glm45v_fsdp.checkpoint.digest_on_write import WrittenDigests
 from glm45v_fsdp.checkpoint.integrity import write_manifest
 from glm45v_fsdp.errors import UserError
 
@@ -254,20 +255,26 @@ def write_deepspeed(state: FullState, out: str | Path, stage: int, world: int) -
     }
     common = _common(state, stage, world)
     scaler, context = loss_scaler()
+    written = WrittenDigests()  # the files' checksums, taken as torch.save writes them
+
+    def save(obj: dict[str, Any], name: str) -> None:
+        with written.open_file(tag_dir / name) as stream:
+            torch.save(obj, stream)
+
     with context:
         if stage == 0:
             states = {"module": module, **common, "optimizer": _stage0(state)}
-            torch.save(states, tag_dir / "mp_rank_00_model_states.pt")
+            save(states, "mp_rank_00_model_states.pt")
         elif stage in (1, 2):
-            torch.save({"module": module, **common}, tag_dir / "mp_rank_00_model_states.pt")
+            save({"module": module, **common}, "mp_rank_00_model_states.pt")
             for rank, file in enumerate(_stage12_files(state, stage, world)):
                 file["optimizer_state_dict"]["loss_scaler"] = scaler
-                torch.save(file, tag_dir / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+                save(file, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
         else:
             module = {name: torch.empty(0, dtype=t.dtype) if name in trainable else t for name, t in module.items()}
             for rank, file in enumerate(_stage3_files(state, world, scaler)):
-                torch.save({"module": module, **common}, tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
-                torch.save(file, tag_dir / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-    write_manifest(tag_dir)
+                save({"module": module, **common}, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+                save(file, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    write_manifest(tag_dir, written)
     (Path(out) / "latest").write_text(tag)
     return tag_dir

@@ -3,7 +3,9 @@
 Collective: every rank gathers one tensor at a time (`DTensor.full_tensor()`); rank 0 converts it to the Hub's
 per-expert layout and writes shards of at most `max_shard_bytes` as they fill, so it holds one full tensor plus one
 shard. Everything goes into a hidden sibling directory that is renamed to the target at the end: the target is
-never half-written, and an existing one is replaced only once the new export is complete.
+never half-written, and an existing one is replaced only once the new export is complete. The shards are written by
+`write_safetensors` (the safetensors format, streamed tensor by tensor), which hashes them as it writes, so the
+manifest reads back only the config and tokenizer files transformers wrote.
 """
 
 from __future__ import annotations
@@ -13,24 +15,53 @@ import json
 import os
 import re
 import shutil
+import struct
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from glm45v_fsdp.checkpoint.digest_on_write import WrittenDigests
 from glm45v_fsdp.checkpoint.hf import INDEX_FILE
 from glm45v_fsdp.checkpoint.integrity import write_manifest
 from glm45v_fsdp.checkpoint.layout import checkpoint_pieces, model_tensors, model_to_hub_tensors
 from glm45v_fsdp.errors import UserError
 
+# torch dtype -> the safetensors format's name for it
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
 
-def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
-    """safetensors' save_file, then the mode every other output file gets (0666 minus the umask): save_file creates
-    its files 0600, which other users of shared storage cannot read."""
-    save_file(tensors, path, metadata={"format": "pt"})
+
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], path: str | Path, written: WrittenDigests | None = None
+) -> None:
+    """`tensors` (contiguous, on the CPU) as one file of the safetensors format, streamed tensor by tensor (no copy
+    of the shard in memory): an 8-byte little-endian header length, the JSON header (each tensor's dtype, shape and
+    byte range; metadata format=pt) padded with spaces to 8 bytes, then the tensors' bytes in the header's order.
+    `written`: the file's checksum is taken as it is written. The file gets the mode every other output file gets
+    (0666 minus the umask)."""
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, tensor in tensors.items():
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"safetensors has no dtype for {key}'s {tensor.dtype}")
+        header[key] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + tensor.nbytes]}  # fmt: skip
+        offset += tensor.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    digests = written if written is not None else WrittenDigests()
+    with digests.open_file(path) as stream:
+        stream.write(struct.pack("<Q", len(encoded)))
+        stream.write(encoded)
+        for tensor in tensors.values():
+            assert tensor.is_contiguous() and tensor.device.type == "cpu", "write_safetensors takes CPU tensors"
+            stream.write(tensor.detach().reshape(-1).view(torch.uint8).numpy().data)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
@@ -120,6 +151,7 @@ def export_hf(
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     shard_of = {key: i for i, keys in enumerate(shards) for key in keys}
     tmp = _prepare(out)
+    digests = WrittenDigests()  # the shards' checksums, taken as they are written
     pending: dict[int, dict[str, torch.Tensor]] = {}
     total = 0
     for name, tensor in tensors.items():
@@ -132,11 +164,11 @@ def export_hf(
             pending.setdefault(index, {})[key] = value.contiguous()
             total += value.nbytes
             if len(pending[index]) == len(shards[index]):
-                write_safetensors(pending.pop(index), tmp / names[index])
+                write_safetensors(pending.pop(index), tmp / names[index], digests)
     if _is_main():
         assert not pending, sorted(pending)
         index = {"metadata": {"total_size": total}, "weight_map": {key: names[shard_of[key]] for key in shard_of}}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        digests.write_file(tmp / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
         config = copy.deepcopy(hf_config)
         config.architectures = ["Glm4vMoeForConditionalGeneration"]
         written = dtype or next(model.parameters()).dtype
@@ -146,7 +178,7 @@ def export_hf(
         for extra in (tokenizer, image_processor):
             if extra is not None:
                 extra.save_pretrained(tmp)
-        write_manifest(tmp)
+        write_manifest(tmp, digests)
         _publish(tmp, out)
     if dist.is_initialized():
         dist.barrier()

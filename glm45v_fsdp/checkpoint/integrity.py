@@ -2,11 +2,13 @@
 anything of it is used.
 
 `manifest.json` lists every file of the checkpoint (relative path, bytes, xxh3-64 of its bytes). While a sharded
-checkpoint is saved, each rank hashes the files it wrote right after writing them and leaves its part in
+checkpoint is saved, each rank takes the checksums of the files it wrote and leaves its part in
 `checksums/rank{R}.json`; rank 0 merges the parts into the manifest (waiting for every rank's part) before it renames
 the checkpoint into place and points `latest` at it. A directory written by one process (an HF export, a DeepSpeed
-checkpoint) gets its manifest from `write_manifest` after its last file. xxh3-64 (the `xxhash` library) hashes at
-about 28 GB/s on one core here, so the cost of a save is the read-back of files that are still in the page cache.
+checkpoint) gets its manifest from `write_manifest` after its last file. Our writers hash the bytes as they write them
+(checkpoint/digest_on_write.py: DCP's shards and metadata, torch.save files, safetensors shards, JSON), so a save reads
+back only the files others wrote (transformers' config and tokenizer files, PEFT's adapter). xxh3-64 (the `xxhash`
+library) hashes at about 28 GB/s on one core here.
 
 A load verifies a directory once, before anything of it is read: under a process group the listed files are split
 over the ranks by bytes, each rank hashes its share (a thread pool), and one collective agrees on the verdict, so
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 import xxhash
 
+from glm45v_fsdp.checkpoint.digest_on_write import WrittenDigests, digest_of
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger
 
@@ -43,12 +46,14 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def checksums(root: Path, files: list[Path]) -> dict[str, dict]:
-    """{path relative to root: {"bytes", ALGORITHM}} of `files`."""
-    return {
-        file.relative_to(root).as_posix(): {"bytes": file.stat().st_size, ALGORITHM: file_digest(file)}
-        for file in sorted(files)
-    }
+def checksums(root: Path, files: list[Path], written: WrittenDigests | None = None) -> dict[str, dict]:
+    """{path relative to root: {"bytes", ALGORITHM}} of `files`: the digest taken as a file was written (`written`)
+    where there is one, else the file read back and hashed (the same digest: of the same bytes)."""
+    entries = {}
+    for file in sorted(files):
+        size, digest = digest_of(file, written) or (file.stat().st_size, file_digest(file))
+        entries[file.relative_to(root).as_posix()] = {"bytes": size, ALGORITHM: digest}
+    return entries
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -58,10 +63,10 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(partial, path)
 
 
-def write_part(checkpoint: Path, rank: int, files: list[Path]) -> None:
+def write_part(checkpoint: Path, rank: int, files: list[Path], written: WrittenDigests | None = None) -> None:
     """This rank's checksums of the files it wrote into `checkpoint` (a save in progress)."""
     (checkpoint / PARTS_DIR).mkdir(exist_ok=True)
-    _write_json(checkpoint / PARTS_DIR / f"rank{rank}.json", checksums(checkpoint, files))
+    _write_json(checkpoint / PARTS_DIR / f"rank{rank}.json", checksums(checkpoint, files, written))
 
 
 def merge_parts(checkpoint: Path, world_size: int, timeout_s: float = 600.0) -> None:
@@ -81,10 +86,11 @@ def merge_parts(checkpoint: Path, world_size: int, timeout_s: float = 600.0) -> 
     (checkpoint / PARTS_DIR).rmdir()
 
 
-def write_manifest(directory: Path) -> None:
-    """The manifest of every file under `directory` (written by this process alone)."""
+def write_manifest(directory: Path, written: WrittenDigests | None = None) -> None:
+    """The manifest of every file under `directory` (written by this process alone; `written`: the digests taken
+    as some of them were written)."""
     files = [path for path in directory.rglob("*") if path.is_file() and path.name != MANIFEST_FILE]
-    _write_json(directory / MANIFEST_FILE, {"algorithm": ALGORITHM, "files": checksums(directory, files)})
+    _write_json(directory / MANIFEST_FILE, {"algorithm": ALGORITHM, "files": checksums(directory, files, written)})
 
 
 def _read_manifest(directory: Path) -> dict[str, dict] | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from glm45v_fsdp.config import Config
 from glm45v_fsdp.errors import ConfigError
-from glm45v_fsdp.memory.estimate import ShardLayout, state_bytes, transient_bytes
+from glm45v_fsdp.memory.estimate import ParamSpec, ShardLayout, state_bytes, transient_bytes
 from glm45v_fsdp.parallel.context import check_context_parallel
 from glm45v_fsdp.parallel.expert import check_expert_parallel
 from glm45v_fsdp.parallel.fsdp import DTYPES
@@ -149,6 +149,12 @@ class Planner:
                               planned.recompute_modules(), keep_attention)  # fmt: skip
 
         return self._cached(("flops", cp, ring, micro, recompute, keep_attention), make)
+
+    def shard_plan(self, layout: Layout) -> tuple[list[ParamSpec], ShardLayout]:
+        """The parameters of `layout` and how its ranks split them (what its memory rows and checkpoints hold)."""
+        dims = layout.dims(self.job)
+        specs = self._planned(layout.ep, layout.unit_mib).params.specs
+        return specs, ShardLayout(dims.fsdp_size, dims.ep, dims.efsdp, dims.world_size > 1)
 
     def check(self, layout: Layout) -> None:
         """ConfigError when a plan rejects the layout (heads, experts)."""

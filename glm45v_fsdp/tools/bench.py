@@ -1,6 +1,6 @@
 """Benchmarks. `python -m glm45v_fsdp.tools.bench SUBCOMMAND [options] [overrides]`, SUBCOMMAND one of
-overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops|checkpoint|resume-reads|lora|router; every one but
-overhead runs through bench/runner.py.
+overhead|memory|ep|longest|deepspeed|door|parity|matrix|ops|checkpoint|checkpoint-scaling|resume-reads|lora|router;
+every one but overhead runs through bench/runner.py.
 
 overhead: our 1-rank training step (the Trainer's step with its metrics, built by the same builders as a real run;
 on one rank the FSDP plan is matched but not applied, see docs/training.md) against a bare PyTorch loop over the
@@ -32,8 +32,13 @@ presets for this CPU machine and for one 8-device NPU or GPU node (bench/matrix.
 ops: each accelerator op's fast kernel against its reference (error, speed-up), then a training run with
 model.ops=auto against model.ops=reference (bench/ops.py).
 
-checkpoint: a run that saves at every step: the share of each save its checksums took, and their throughput
+checkpoint: a run that saves at every step: the share of each save its checksums took, and their throughput; then
+the last checkpoint's checksums taken the old way, read back, against the ones taken as it was written
 (bench/checkpoint.py).
+
+checkpoint-scaling: a DCP checkpoint's save, verify and load at 1, 2 and 4 ranks: seconds and bytes read and written
+per rank, verify's seconds per rank falling as ranks grow, beside the planner's modelled size
+(bench/checkpoint_scaling.py).
 
 resume-reads: the bytes all processes read to resume a DCP checkpoint (/proc/self/io rchar, a resume run minus a
 fresh run of the same step) over the checkpoint's size (bench/resume_reads.py).
@@ -56,6 +61,7 @@ from typing import Any
 
 from glm45v_fsdp.bench import (
     checkpoint,
+    checkpoint_scaling,
     deepspeed_api,
     door,
     ep,
@@ -131,6 +137,7 @@ SUBCOMMANDS = {
     "matrix": Subcommand(matrix.add_parser, matrix.main_matrix),
     "parity": Subcommand(parity.add_parser, parity.main_parity),
     "checkpoint": Subcommand(checkpoint.add_parser, checkpoint.main_checkpoint),
+    "checkpoint-scaling": Subcommand(checkpoint_scaling.add_parser, checkpoint_scaling.main_checkpoint_scaling),
     "resume-reads": Subcommand(resume_reads.add_parser, resume_reads.main_resume_reads),
     "lora": Subcommand(lora.add_parser, lora.main_lora),
     "router": Subcommand(router.add_parser, router.main_router),

@@ -8,7 +8,8 @@
 
 Layouts: expert, Ulysses, Ring and HSDP replicate sizes, recompute off/selective/full, chunk loss off/static/dynamic,
 FSDP unit size, micro batch (accumulation keeps the global batch). Memory by preflight's estimator, step time by
-glm45v_fsdp.planner (docs/planning.md: every term and assumption).
+glm45v_fsdp.planner (docs/planning.md: every term and assumption); the best layout's checkpoint sizes and save,
+verify and resume times at --fs-gbps / --fs-node-gbps by glm45v_fsdp/planner/checkpoint_time.py.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--video-frames", type=int, default=None, help="sampled frames per video")
     parser.add_argument("--top", type=int, default=10, help="layouts to print")
+    parser.add_argument(
+        "--fs-gbps",
+        type=float,
+        default=None,
+        help="checkpoint file system, aggregate GB/s (default 20: a mid-size Lustre / GPFS; docs/planning.md)",
+    )
+    parser.add_argument(
+        "--fs-node-gbps", type=float, default=None, help="one node's link to that file system, GB/s (default 2.5)"
+    )
     parser.add_argument("--unit-mib", default="default,512", help="FSDP unit sizes to try (default = the device's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--explain", default=None, metavar="LAYOUT", help="every term of one layout (a printed name)")
@@ -66,6 +76,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a positive integer.")
     if args.videos_per_sample is not None and args.videos_per_sample < 0:
         raise UserError(f"--videos-per-sample = {args.videos_per_sample} is invalid: pass 0 or more.")
+    for flag in ("fs_gbps", "fs_node_gbps"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a bandwidth in GB/s above 0.")
     other = next((flag for flag in ("explain", "calibrate", "validate") if getattr(args, flag)), None)
     if args.deepspeed and other:
         raise UserError(f"--deepspeed and --{other} ask for different reports: pass one of them.")

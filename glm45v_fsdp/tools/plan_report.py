@@ -11,6 +11,7 @@ from typing import Any
 from glm45v_fsdp.config import Config, LoraConfig, load_config
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.model import load_hf_config
+from glm45v_fsdp.planner import checkpoint_time
 from glm45v_fsdp.planner.devices import GIB, PRESETS, Device, load_calibration
 from glm45v_fsdp.planner.layout import Job, Layout
 from glm45v_fsdp.planner.search import Evaluation, Planner, SearchSpace
@@ -82,6 +83,22 @@ def row(rank: int, found: Evaluation, job: Job) -> dict[str, Any]:
     }
 
 
+def checkpoint_figures(planner: Planner, found: Evaluation, args: argparse.Namespace) -> dict[str, Any]:
+    """The checkpoint model of one layout (planner/checkpoint_time.py), its async stall against its modelled step."""
+    specs, shards = planner.shard_plan(found.layout)
+    config, job = planner.config, planner.job
+    return checkpoint_time.model(
+        specs,
+        shards,
+        job.world_size,
+        job.ranks_per_node,
+        config.training,
+        checkpoint_time.storage(args.fs_gbps, args.fs_node_gbps, on_cpu=args.device == "cpu"),
+        step_s=found.step.total_ms / 1e3,
+        trainable_only=config.model.lora.rank > 0,
+    )
+
+
 def explain(planner: Planner, found: Evaluation, job: Job) -> dict[str, Any]:
     """Every term of one layout: memory rows, FLOPs, each collective with its time, the step's terms."""
     device = planner.device
@@ -139,6 +156,8 @@ def run_plan(args: argparse.Namespace) -> int:
         report = explain(planner, found, job)
         if found.error is None and not found.fits:
             report["remedies"] = remedies(planner, found)
+        if found.error is None:
+            report["checkpoint"] = checkpoint_figures(planner, found, args)
         print(json.dumps(report, indent=1) if args.json else format_explain(report))
         return 0
     space = SearchSpace(unit_mib=unit_sizes(args.unit_mib))
@@ -160,6 +179,8 @@ def run_plan(args: argparse.Namespace) -> int:
         "top": [row(i + 1, r, job) for i, r in enumerate(fitting[: args.top])],
         "config_layout": None if own.error else row(rank_of(own, fitting), own, job),
     }
+    if fitting:
+        report["checkpoint"] = checkpoint_figures(planner, fitting[0], args)
     if not fitting:
         closest = results[0] if results else None
         if closest is not None:
@@ -252,6 +273,9 @@ def format_table(report: dict[str, Any]) -> str:
         else:
             text = "no layout divides the job"
         lines += ["", f"full fine-tuning of the same job (model.lora.rank=0) on these ranks: {text}"]
+    if "checkpoint" in report:
+        lines += ["", f"the best layout's {checkpoint_time.format_lines(report['checkpoint'])[0]}"]
+        lines += checkpoint_time.format_lines(report["checkpoint"])[1:]
     lines += ["", "every term of one layout: --explain LAYOUT; the model and its assumptions: docs/planning.md"]
     return "\n".join(lines)
 
@@ -287,4 +311,6 @@ def format_explain(report: dict[str, Any]) -> str:
         lines.append(f"does not fit by {fix['over_gib']} GiB; fits with: " +
                      ("; ".join(f"{c['change']} ({c['gib']} GiB, {c['ms_per_step']} ms)" for c in fix["fits_with"])
                       or "no single switch: add nodes or shorten the sequence"))  # fmt: skip
+    if "checkpoint" in report:
+        lines += checkpoint_time.format_lines(report["checkpoint"])
     return "\n".join(lines)

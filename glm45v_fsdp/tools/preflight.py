@@ -8,8 +8,10 @@ registry (glm45v_fsdp/plans.py) as a dry run in build order and prints what each
 count. A pattern that matches nothing, a missing required FSDP unit or an impossible layout is an error (exit 2, each
 problem named). With --world-size it also prints each rank's memory: exact bytes of parameters, gradients and AdamW
 states under FSDP2 sharding, and estimates of the transient unsharded copies and the activations
-(glm45v_fsdp.memory.estimate; docs/tools.md). With --deepspeed the ds_config is translated onto the config as
-`python -m glm45v_fsdp.train --deepspeed` translates it for N ranks, and everything above runs on the result.
+(glm45v_fsdp.memory.estimate; docs/tools.md), and the checkpoint's size, bytes per rank per save and modelled save,
+verify and resume time at --fs-gbps / --fs-node-gbps (glm45v_fsdp/planner/checkpoint_time.py). With --deepspeed
+the ds_config is translated onto the config as `python -m glm45v_fsdp.train --deepspeed` translates it for N ranks,
+and everything above runs on the result.
 """
 
 from __future__ import annotations
@@ -65,6 +67,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="DS_CONFIG",
         help="translate this ds_config onto the config for --world-size ranks, as `train --deepspeed` does",
     )
+    parser.add_argument(
+        "--fs-gbps",
+        type=float,
+        default=None,
+        help="checkpoint file system, aggregate GB/s (default 20: a mid-size Lustre / GPFS; docs/planning.md)",
+    )
+    parser.add_argument(
+        "--fs-node-gbps", type=float, default=None, help="one node's link to that file system, GB/s (default 2.5)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides applied after the YAML file")
     args = parser.parse_args(argv)
@@ -83,6 +94,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UserError("--deepspeed needs --world-size: the ds_config's batch and layout hold for one world size.")
     if args.device_memory_gib <= 0:
         raise UserError(f"--device-memory-gib = {args.device_memory_gib} is invalid: pass a positive number.")
+    for flag in ("fs_gbps", "fs_node_gbps"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a bandwidth in GB/s above 0.")
     return args
 
 

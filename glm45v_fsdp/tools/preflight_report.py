@@ -21,6 +21,7 @@ from glm45v_fsdp.memory.estimate import (
 from glm45v_fsdp.model import build_meta_model, describe_model, load_hf_config
 from glm45v_fsdp.module_patterns import PlanMatch
 from glm45v_fsdp.parallel.fsdp import DTYPES
+from glm45v_fsdp.planner import checkpoint_time
 from glm45v_fsdp.plans import PLANS
 from glm45v_fsdp.preflight import activation_estimate, check_plans, image_patches, minimal_dims, planned_params
 from glm45v_fsdp.runtime import ParallelDims, build_parallel_dims
@@ -154,6 +155,7 @@ def build_report(args: argparse.Namespace) -> dict:
         "errors": errors,
         "memory": None,
         "nodes": None,
+        "checkpoint": None,
     }
     if dims is not None:
         per_node = args.nproc_per_node or args.world_size
@@ -183,6 +185,16 @@ def build_report(args: argparse.Namespace) -> dict:
             args.image_size,
             args.videos_per_sample,
             args.video_frames,
+        )
+        planned = planned_params(model, config, dims, matched)
+        report["checkpoint"] = checkpoint_time.model(
+            planned.specs,
+            planned.layout,
+            dims.world_size,
+            args.nproc_per_node or dims.world_size,
+            config.training,
+            checkpoint_time.storage(args.fs_gbps, args.fs_node_gbps, on_cpu=config.training.device == "cpu"),
+            trainable_only=config.model.lora.rank > 0,
         )
     report["seconds"] = round(time.perf_counter() - started, 2)
     return report
@@ -237,6 +249,8 @@ def format_report(report: dict) -> str:
     memory = report["memory"]
     if memory:
         lines += _format_memory(memory, report)
+    if report["checkpoint"]:
+        lines += ["", *checkpoint_time.format_lines(report["checkpoint"])]
     elif report["world_size"] is None:
         lines.append("per-rank memory: pass --world-size N")
     lines.append(f"preflight took {report['seconds']} s")
