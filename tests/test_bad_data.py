@@ -23,6 +23,7 @@ from conftest import REPO, clean_env, free_port
 from PIL import Image
 from transformers import Glm4vMoeVisionConfig
 
+from glm45v_fsdp.config import DataConfig
 from glm45v_fsdp.data import JsonImageTextDataset, build_image_processor, build_tiny_tokenizer
 from glm45v_fsdp.data.images import BadImage, load_image
 from glm45v_fsdp.errors import UserError
@@ -92,7 +93,8 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 
 def dataset(path: Path, tokenizer, image_processor, on_bad_record: str = "stop") -> JsonImageTextDataset:
-    return JsonImageTextDataset(str(path), None, tokenizer, image_processor, 512, 2, on_bad_record=on_bad_record)
+    data = DataConfig(dataset="json", data_path=str(path), cutoff_len=512, on_bad_record=on_bad_record)
+    return JsonImageTextDataset(data, tokenizer, image_processor, 2)
 
 
 @pytest.mark.parametrize(("name", "bad", "message"), CORPUS, ids=[case[0] for case in CORPUS])

@@ -272,7 +272,8 @@ def write_png(path, color=(0, 128, 255), size=(56, 56)):
 
 
 def json_dataset(path, tokenizer, image_processor, cutoff_len=512, image_root=None):
-    return JsonImageTextDataset(str(path), image_root, tokenizer, image_processor, cutoff_len, 2)
+    data = DataConfig(dataset="json", data_path=str(path), image_root=image_root, cutoff_len=cutoff_len)
+    return JsonImageTextDataset(data, tokenizer, image_processor, 2)
 
 
 def test_json_llava_and_sharegpt(tmp_path, hf_config, tokenizer, image_processor):

@@ -30,6 +30,7 @@ from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
 from transformers.video_utils import VideoMetadata
 
 from glm45v_fsdp import vocab
+from glm45v_fsdp.config import DataConfig
 from glm45v_fsdp.data import JsonImageTextDataset, build_image_processor, build_tiny_tokenizer
 from glm45v_fsdp.data.collate import collate
 from glm45v_fsdp.model.hf_forward import Glm4vMoeForScripts
@@ -141,7 +142,8 @@ def test_video_batch_equals_transformers_processor(tmp_path, hf_config, hf_proce
         record["images"] = ["image.png"]
     (tmp_path / "data.json").write_text(json.dumps([record]))
     tokenizer = hf_processor.tokenizer
-    dataset = JsonImageTextDataset(str(tmp_path / "data.json"), None, tokenizer, hf_processor.image_processor, 2048, 2)
+    data = DataConfig(dataset="json", data_path=str(tmp_path / "data.json"), cutoff_len=2048)
+    dataset = JsonImageTextDataset(data, tokenizer, hf_processor.image_processor, 2)
     ours = dataset[0]
 
     # transformers on the same frames, sampled by its own video processor (the duration as its decoders report it)
@@ -190,7 +192,8 @@ def test_video_loss_equals_transformers_model(tmp_path, hf_config, hf_processor)
     }
     (tmp_path / "data.json").write_text(json.dumps([record]))
     tokenizer = hf_processor.tokenizer
-    dataset = JsonImageTextDataset(str(tmp_path / "data.json"), None, tokenizer, hf_processor.image_processor, 2048, 2)
+    data = DataConfig(dataset="json", data_path=str(tmp_path / "data.json"), cutoff_len=2048)
+    dataset = JsonImageTextDataset(data, tokenizer, hf_processor.image_processor, 2)
     batch = collate([dataset[0]], vocab.PAD_TOKEN_ID)
     indices = hf_processor.video_processor.sample_frames(VideoMetadata(total_num_frames=8, fps=FPS, duration=2.0))
     reference = hf_processor(

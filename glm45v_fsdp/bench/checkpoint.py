@@ -19,8 +19,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.bench.options import add_run_options, bench_command, check_counts, settle
-from glm45v_fsdp.bench.runner import Run, Runner, md_table, write_report
+from glm45v_fsdp.bench.options import add_run_options, check_counts, report_head, settle
+from glm45v_fsdp.bench.runner import Run, Runner, md_report, write_report
+
+HELP = "the checksums' share of a checkpoint save, and their throughput"
+DESCRIPTION = "One training run saving at every step; rank 0's log gives each save's and its checksums' time."
 
 GOAL_PCT = 5.0
 _SAVED = re.compile(r"checkpoint saved: (\S+) \(([\d.]+) s(?:, background write)?; checksums of rank 0's ([\d,]+) "
@@ -60,9 +63,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, An
     throughput = sum(row["bytes"] for row in timed) / max(1e-9, sum(row["checksum_s"] for row in timed))
     share = statistics.median(shares)
     return {
-        "benchmark": "checkpoint",
-        "command": bench_command(args.argv),
-        "async_save": args.async_save,
+        **report_head("checkpoint", args, "async_save"),
         "saves": rows,
         "checksum_share_pct_median": share,
         "checksum_gb_per_s": throughput / 1e9,
@@ -84,38 +85,28 @@ def markdown(result: dict[str, Any]) -> str:
         for row in result["saves"]
     ]  # fmt: skip
     verdict = "pass" if result["pass"] else "FAIL"
-    lines = [
-        f"# Checkpoint checksums: their share of a save ({'async' if result['async_save'] else 'sync'} saves)",
-        "",
-        *md_table(columns, cells),
-        "",
-        f"- median share {result['checksum_share_pct_median']:.2f}% (goal <= {GOAL_PCT:g}%): {verdict}; "
-        f"{result['checksum_gb_per_s']:.2f} GB/s of rank 0's files per second of its checksum time",
-        *[f"- {note}" for note in result["notes"]],
-    ]
+    title = f"Checkpoint checksums: their share of a save ({'async' if result['async_save'] else 'sync'} saves)"
+    share = (
+        f"median share {result['checksum_share_pct_median']:.2f}% (goal <= {GOAL_PCT:g}%): {verdict}; "
+        f"{result['checksum_gb_per_s']:.2f} GB/s of rank 0's files per second of its checksum time"
+    )
+    notes = [share, *result["notes"]]
     if "read_back" in result:
         back = result["read_back"]
-        lines.append(
-            f"- read back (how saves took checksums before): {back['checkpoint']}'s {back['bytes']:,} bytes hashed in "
+        notes.append(
+            f"read back (how saves took checksums before): {back['checkpoint']}'s {back['bytes']:,} bytes hashed in "
             f"{back['s']:.4f} s ({back['gb_per_s']:.2f} GB/s, page cache); the same digests as its manifest: "
             f"{'yes' if back['same_as_manifest'] else 'NO'}"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(md_report(title, columns, cells, notes)) + "\n"
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "checkpoint",
-        help="the checksums' share of a checkpoint save, and their throughput",
-        description="One training run saving at every step; rank 0's log gives each save's and its checksums' time.",
-    )
-    parser.add_argument("--ranks", type=int, default=1, help="processes of the run (torchrun when > 1)")
+    parser = sub.add_parser("checkpoint", help=HELP, description=DESCRIPTION)
     parser.add_argument("--steps", type=int, default=12, help="training steps, one save each")
     parser.add_argument("--warmup", type=int, default=2, help="first saves left out")
     parser.add_argument("--async-save", action="store_true", help="training.async_save=true")
-    add_run_options(
-        parser, Path("output/bench/checkpoint"), threads_help="OMP_NUM_THREADS per rank (default: 1 on cpu)"
-    )
+    add_run_options(parser, Path("output/bench/checkpoint"), ranks=1)
 
 
 def main_checkpoint(args: argparse.Namespace, argv: list[str]) -> int:

@@ -29,9 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.bench.charts import bar_chart
-from glm45v_fsdp.bench.options import bench_command
+from glm45v_fsdp.bench.options import add_options, report_head
 from glm45v_fsdp.bench.runner import Run, Runner, errors, torchrun_command, write_report
 from glm45v_fsdp.errors import UserError
+
+HELP = "the real DeepSpeed vs ds_compat on one DeepSpeed-API script (transformers' tiny GLM-4.5V)"
+DESCRIPTION = "DeepSpeed and ds_compat runs interleaved per ZeRO stage and dtype."
 
 BACKENDS = ("deepspeed", "ds_compat", "trainer")  # the reference, the engine API door, the trainer door
 DOORS = BACKENDS[1:]
@@ -337,6 +340,31 @@ def rotated_round(
     return found
 
 
+def workload_note(args: argparse.Namespace, optimizer: str) -> str:
+    """The report note on the script's workload and how ms/step is taken (bench deepspeed, bench door)."""
+    return (
+        f"workload: transformers' tiny GLM-4.5V (2 text layers, 8 routed experts, 2-block vision tower), micro batch "
+        f"{args.micro} per rank, 256 text tokens + one 64-patch image per sample, {optimizer}, clipping 1.0; "
+        f"ms/step: median of steps {args.warmup + 1}-{args.steps} per run, then over rounds"
+    )
+
+
+def notes(args: argparse.Namespace) -> list[str]:
+    return [
+        workload_note(args, "AdamW (torch_adam)") + ". Each round runs the three in a rotated order.",
+        "FSDP2 unit size from the ds_config's bucket sizes (DeepSpeed's defaults here: reduce/all-gather 5e8 "
+        "elements at stages 1-2, prefetch 5e7 at stage 3): on this model every block is below one unit, so the "
+        "root is the only unit (one all-gather and one reduce-scatter per step).",
+        "bare loop: the same model, batches of rank 0 and step in one process without any backend (plain "
+        "foreach AdamW, clipping; bf16 under autocast). DDP: that step on every rank under "
+        "torch.nn.parallel.DistributedDataParallel (gloo, 25 MB buckets overlapping the backward).",
+        "peak: live tensor bytes of one extra untimed step (every tensor reachable at its start counts as "
+        "live): DeepSpeed's figure includes its 5e8-element gradient bucket. Trainer: its own tracked peak "
+        "(training.track_memory, parameters and optimizer state live) of a separate 3-step run.",
+        f"OMP_NUM_THREADS per rank: {args.threads}.",
+    ]
+
+
 def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
     stages = [int(z) for z in args.zero.split(",")]
     dtypes = args.dtype.split(",")
@@ -367,39 +395,17 @@ def run_deepspeed_bench(args: argparse.Namespace) -> dict[str, Any]:
         for (zero, dtype), by_backend in runs.items()
     ]
     report = {
-        "benchmark": "deepspeed",
-        "ranks": args.ranks,
-        "rounds": args.rounds,
-        "command": bench_command(args.argv),
+        **report_head("deepspeed", args, "ranks", "rounds"),
         "rows": rows,
         "alone": [alone_row(dtype, runs, args) for dtype, runs in alone.items()],
-        "notes": [
-            f"workload: transformers' tiny GLM-4.5V (2 text layers, 8 routed experts, 2-block vision tower), micro "
-            f"batch {args.micro} per rank, 256 text tokens + one 64-patch image per sample, AdamW (torch_adam), "
-            f"clipping 1.0; ms/step: median of steps {args.warmup + 1}-{args.steps} per run, then over rounds. "
-            "Each round runs the three in a rotated order.",
-            "FSDP2 unit size from the ds_config's bucket sizes (DeepSpeed's defaults here: reduce/all-gather 5e8 "
-            "elements at stages 1-2, prefetch 5e7 at stage 3): on this model every block is below one unit, so the "
-            "root is the only unit (one all-gather and one reduce-scatter per step).",
-            "bare loop: the same model, batches of rank 0 and step in one process without any backend (plain "
-            "foreach AdamW, clipping; bf16 under autocast). DDP: that step on every rank under "
-            "torch.nn.parallel.DistributedDataParallel (gloo, 25 MB buckets overlapping the backward).",
-            "peak: live tensor bytes of one extra untimed step (every tensor reachable at its start counts as "
-            "live): DeepSpeed's figure includes its 5e8-element gradient bucket. Trainer: its own tracked peak "
-            "(training.track_memory, parameters and optimizer state live) of a separate 3-step run.",
-            f"OMP_NUM_THREADS per rank: {args.threads}.",
-        ],
+        "notes": notes(args),
     }
     write_report(args.out, "deepspeed", report, markdown(report), {"deepspeed.png": lambda path: chart(report, path)})
     return report
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "deepspeed",
-        help="the real DeepSpeed vs ds_compat on one DeepSpeed-API script (transformers' tiny GLM-4.5V)",
-        description="DeepSpeed and ds_compat runs interleaved per ZeRO stage and dtype.",
-    )
+    parser = sub.add_parser("deepspeed", help=HELP, description=DESCRIPTION)
     parser.add_argument("--zero", default="1,2,3", help="ZeRO stages, comma-separated")
     parser.add_argument("--dtype", default="fp32", help="fp32 and/or bf16, comma-separated")
     add_run_arguments(parser, Path("output/bench/deepspeed"))
@@ -407,25 +413,25 @@ def add_parser(sub: Any) -> None:
 
 def add_run_arguments(parser: argparse.ArgumentParser, out: Path) -> None:
     """The options of the interleaved worker / trainer runs (bench deepspeed, bench door)."""
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5, help="first steps left out of ms/step")
-    parser.add_argument("--micro", type=int, default=2, help="micro batch per rank")
+    add_options(parser, ranks=2, steps=20, warmup=5, micro=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="torch.profiler's top ops of steps 6-10 (the script)")
-    parser.add_argument("--out", type=Path, default=out)
-    parser.add_argument("--run-timeout", type=float, default=None)
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    add_options(parser, out=out, run_timeout=None, threads=1)
 
 
-def main_deepspeed(args: argparse.Namespace, argv: list[str]) -> int:
+def require_deepspeed(bench: str) -> None:
+    """The real DeepSpeed, the reference of `bench`, is installed; else a UserError naming the install."""
     try:
         import deepspeed  # noqa: F401
     except ImportError:
         raise UserError(
-            "bench deepspeed: the reference needs DeepSpeed: DS_BUILD_OPS=0 pip install --no-build-isolation "
+            f"bench {bench}: the reference needs DeepSpeed: DS_BUILD_OPS=0 pip install --no-build-isolation "
             "'deepspeed>=0.19,<0.20' (CPU: DS_ACCELERATOR=cpu is set for the runs)."
         ) from None
+
+
+def main_deepspeed(args: argparse.Namespace, argv: list[str]) -> int:
+    require_deepspeed("deepspeed")
     bad = [d for d in args.dtype.split(",") if d not in PARITY_LIMIT] + [
         z for z in args.zero.split(",") if z not in ("0", "1", "2", "3")
     ]

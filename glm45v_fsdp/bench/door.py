@@ -25,10 +25,20 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.bench.charts import bar_chart
-from glm45v_fsdp.bench.deepspeed_api import add_run_arguments, initial_weights, rotated_round, run_worker, runner
-from glm45v_fsdp.bench.options import bench_command
+from glm45v_fsdp.bench.deepspeed_api import (
+    add_run_arguments,
+    initial_weights,
+    rotated_round,
+    run_worker,
+    runner,
+    workload_note,
+)
+from glm45v_fsdp.bench.options import report_head
 from glm45v_fsdp.bench.runner import errors, md_table, saving_pct, write_report
 from glm45v_fsdp.errors import UserError
+
+HELP = "the DeepSpeed engine door on GLM-4.5V beside the trainer door: chunked-loss memory, EP step time"
+DESCRIPTION = "Engine door (DeepSpeed-API script) and trainer door (--deepspeed), interleaved per case."
 
 CONTEXT_GOAL = 0.6  # a context-parallel case's peak per rank / the CP1 case's, at --context-tokens (as the trainer)
 DOORS = ("ds_compat", "trainer")
@@ -207,21 +217,15 @@ def run_door_bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = {name: row(name, extra, run_case(args, name, extra), args.warmup) for name, extra in chosen.items()}
     context_rows = run_context(args) if args.context_tokens else []
     report = {
-        "benchmark": "door",
-        "ranks": args.ranks,
-        "zero": args.zero,
-        "rounds": args.rounds,
-        "command": bench_command(args.argv),
+        **report_head("door", args, "ranks", "zero", "rounds"),
         "rows": list(rows.values()),
         "chunk_saving": chunk_saving(rows) if rows else {},
         "context_tokens": args.context_tokens,
         "context_layers": args.context_layers,
         "context_rows": context_rows,
         "notes": [
-            f"workload: transformers' tiny GLM-4.5V (2 text layers, 8 routed experts, 2-block vision tower), micro "
-            f"batch {args.micro} per rank, 256 text tokens + one 64-patch image per sample, AdamW, clipping 1.0; "
-            f"ms/step: median of steps {args.warmup + 1}-{args.steps} per run, then over rounds; the trainer's "
-            "leaves out fetching its batches, which the script does before its timed loop.",
+            workload_note(args, "AdamW") + "; the trainer's leaves out fetching its batches, which the script does "
+            "before its timed loop.",
             f"chunk_dynamic: logits budget {args.logits_budget_mib} MiB; ep: autoep_size {args.ep} with EP balance.",
             "peak: engine door = live tensor bytes of one extra untimed step of the script (every tensor reachable "
             "at its start counts, the script's prepared batches included); trainer = its tracked peak "
@@ -235,12 +239,8 @@ def run_door_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "door",
-        help="the DeepSpeed engine door on GLM-4.5V beside the trainer door: chunked-loss memory, EP step time",
-        description="Engine door (DeepSpeed-API script) and trainer door (--deepspeed), interleaved per case.",
-    )
-    parser.add_argument("--zero", type=int, default=3, choices=(1, 2, 3))
+    parser = sub.add_parser("door", help=HELP, description=DESCRIPTION)
+    parser.add_argument("--zero", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage of every case's ds_config")
     parser.add_argument("--ep", type=int, default=2, help="autoep_size of the ep case")
     parser.add_argument("--logits-budget-mib", type=float, default=0.25, help="the dynamic chunk loss's budget")
     parser.add_argument(

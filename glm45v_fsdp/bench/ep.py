@@ -30,20 +30,29 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.bench.memory import common_overrides
-from glm45v_fsdp.bench.options import add_run_options, announce_failures, bench_command, check_counts, settle
+from glm45v_fsdp.bench.options import (
+    add_run_options,
+    announce_failures,
+    check_counts,
+    report_head,
+    settle,
+)
 from glm45v_fsdp.bench.runner import (
     PARITY_LIMIT,
     Run,
     Runner,
     change_pct,
     load_range,
-    md_table,
+    md_report,
     memory_pair,
     pair_figures,
     run_figures,
     write_report,
 )
 from glm45v_fsdp.errors import UserError
+
+HELP = "expert parallelism: EP1 vs EP n, alltoall vs allgather, EP balance under skewed and natural routing"
+DESCRIPTION = "Expert-parallel training runs side by side, each in its own process."
 
 MIB = 2**20
 
@@ -75,6 +84,19 @@ def model_overrides(args: argparse.Namespace) -> list[str]:
         f"{text}.max_position_embeddings={max(4096, args.tokens)}",
         f"{vision}.out_hidden_size={args.hidden}",
     ]
+
+
+def shape_defaults(tokens: int, hidden: int, experts: int, top_k: int) -> dict[str, int]:
+    """The defaults of the options `model_overrides` reads (`add_options` adds them), per bench where they differ."""
+    return {
+        "tokens": tokens,
+        "images": 2,
+        "hidden": hidden,
+        "text_layers": 4,
+        "experts": experts,
+        "top_k": top_k,
+        "moe_intermediate": 512,
+    }
 
 
 def plan_runs(args: argparse.Namespace) -> tuple[dict[str, list[str]], list[Row]]:
@@ -223,15 +245,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [
-        f"# Expert parallelism and EP balance ({report['device']}, {report['ranks']} ranks)",
-        "",
-        *md_table(COLUMNS, [_cells(row) for row in report["rows"]]),
-        "",
-        *[f"- {note}" for note in report["notes"]],
-        "",
-    ]
-    return "\n".join(lines)
+    title = f"Expert parallelism and EP balance ({report['device']}, {report['ranks']} ranks)"
+    return "\n".join(md_report(title, COLUMNS, [_cells(row) for row in report["rows"]], report["notes"])) + "\n"
 
 
 def notes(args: argparse.Namespace, runs: dict[str, Run], figures: dict[str, dict[str, Any]]) -> list[str]:
@@ -294,14 +309,7 @@ def run_ep(args: argparse.Namespace) -> dict[str, Any]:
     runs = runner.rounds(plans, args.repeats, alternate=True)  # ABBA: drift cancels
     figures = {name: summarise(run, args.warmup, args) for name, run in runs.items()}
     report = {
-        "benchmark": "ep",
-        "device": args.device,
-        "ranks": args.ranks,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "threads": args.threads,
-        "command": bench_command(args.argv),
+        **report_head("ep", args, "device", "ranks", "steps", "warmup", "repeats", "threads"),
         "rows": [compare(row, figures[row.off], figures[row.on], args) for row in rows],
         "notes": notes(args, runs, figures),
         "runs": figures,
@@ -320,23 +328,9 @@ def _used(name: str, rows: list[Row]) -> bool:
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "ep",
-        help="expert parallelism: EP1 vs EP n, alltoall vs allgather, EP balance under skewed and natural routing",
-        description="Expert-parallel training runs side by side, each in its own process.",
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    parser = sub.add_parser("ep", help=HELP, description=DESCRIPTION)
     parser.add_argument("--ranks", type=int, choices=(2, 4), default=2, help="processes per run (torchrun)")
-    parser.add_argument("--steps", type=int, default=12, help="training steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of ms/iter")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, round-robin")
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens of each rank's micro batch (one sample)")
-    parser.add_argument("--images", type=int, default=2, help="synthetic 56 px images per sample")
-    parser.add_argument("--hidden", type=int, default=256, help="text hidden size (heads of 32 dims)")
-    parser.add_argument("--text-layers", type=int, default=4, help="text layers (the first is dense)")
-    parser.add_argument("--experts", type=int, default=32, help="routed experts per MoE layer")
-    parser.add_argument("--top-k", type=int, default=8, help="experts per token")
-    parser.add_argument("--moe-intermediate", type=int, default=512, help="each expert's intermediate size")
+    shape = shape_defaults(tokens=1024, hidden=256, experts=32, top_k=8)
     parser.add_argument(
         "--skew",
         type=float,
@@ -350,9 +344,7 @@ def add_parser(sub: Any) -> None:
         default=3.0,
         help="balance on the model's own routing: allowed ms/iter increase over balance off (%%)",
     )
-    add_run_options(
-        parser, Path("output/bench/ep"), threads_help="OMP_NUM_THREADS per rank (default: 1 with --device cpu)"
-    )
+    add_run_options(parser, Path("output/bench/ep"), device="cpu", steps=12, warmup=2, repeats=2, **shape)
 
 
 def main_ep(args: argparse.Namespace, argv: list[str]) -> int:

@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.bench.memory import RUNS, run_overrides
-from glm45v_fsdp.bench.options import add_run_options, bench_command, settle
-from glm45v_fsdp.bench.runner import Run, Runner, md_table, write_report
+from glm45v_fsdp.bench.options import add_run_options, report_head, settle
+from glm45v_fsdp.bench.runner import Run, Runner, md_report, write_report
 from glm45v_fsdp.errors import UserError
+
+HELP = "longest sequence per CP layout within a per-rank memory budget, by doubling"
+DESCRIPTION = "Short training runs at doubling sequence lengths until the peak per rank exceeds the budget."
 
 GIB = 2**30
 # bench memory's CP rows: the Recompute shape with static chunked loss and recompute, CP n at the same global batch
@@ -95,13 +98,7 @@ def report(args: argparse.Namespace, searches: list[Search]) -> dict[str, Any]:
             }
         )
     return {
-        "benchmark": "longest",
-        "device": args.device,
-        "ranks": args.ranks,
-        "budget_mib": args.budget_mib,
-        "start": args.start,
-        "steps": args.steps,
-        "command": bench_command(args.argv),
+        **report_head("longest", args, "device", "ranks", "budget_mib", "start", "steps"),
         "rows": rows,
         "searches": [asdict(found) for found in searches],
     }
@@ -122,33 +119,24 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [
-        f"# Longest sequence within {result['budget_mib']:g} MiB per rank ({result['device']}, {result['ranks']} "
-        "ranks, same global batch)",
-        "",
-    ]
+    title = (
+        f"Longest sequence within {result['budget_mib']:g} MiB per rank ({result['device']}, {result['ranks']} "
+        "ranks, same global batch)"
+    )
     columns = ("layout", "cp", "longest tokens", "× CP1", "peak MiB per rank at each length", "target", "result")
-    lines += md_table(columns, [_cells(row) for row in result["rows"]])
-    return "\n".join(lines) + "\n"
+    return "\n".join(md_report(title, columns, [_cells(row) for row in result["rows"]])) + "\n"
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "longest",
-        help="longest sequence per CP layout within a per-rank memory budget, by doubling",
-        description="Short training runs at doubling sequence lengths until the peak per rank exceeds the budget.",
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    parser = sub.add_parser("longest", help=HELP, description=DESCRIPTION)
     parser.add_argument("--ranks", type=int, default=2, help="processes per run (a multiple of every layout's cp)")
+    parser.add_argument("--images", type=int, default=16, help="synthetic images per sample")
     parser.add_argument("--layouts", default="cp1,ulysses2,ring2", help=f"comma-separated, from {','.join(LAYOUTS)}")
     parser.add_argument("--budget-mib", type=float, default=48.0, help="peak memory allowed per rank (MiB)")
     parser.add_argument("--start", type=int, default=1024, help="first sequence length (tokens per sample)")
     parser.add_argument("--max-tokens", type=int, default=65536, help="stop doubling past this length")
     parser.add_argument("--min-ratio", type=float, default=1.8, help="goal: longest CP n length / CP1's")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per run")
-    parser.add_argument("--text-layers", type=int, default=6, help="text decoder layers")
-    parser.add_argument("--images", type=int, default=16, help="synthetic images per sample")
-    add_run_options(parser, Path("output/bench/longest"), threads_help="OMP_NUM_THREADS per rank (default: 1 on cpu)")
+    add_run_options(parser, Path("output/bench/longest"), device="cpu", steps=3, text_layers=6)
 
 
 def main_longest(args: argparse.Namespace, argv: list[str], measure=None) -> int:

@@ -24,19 +24,23 @@ from pathlib import Path
 from typing import Any
 
 from glm45v_fsdp.bench.deepspeed_api import worker_command
-from glm45v_fsdp.bench.ep import model_overrides
+from glm45v_fsdp.bench.ep import model_overrides, shape_defaults
 from glm45v_fsdp.bench.memory import common_overrides
-from glm45v_fsdp.bench.options import add_run_options, bench_command, check_counts, settle
+from glm45v_fsdp.bench.options import add_run_options, check_counts, report_head, settle
 from glm45v_fsdp.bench.runner import (
     Run,
     Runner,
     errors,
     load_range,
+    md_report,
     md_table,
     memory_pair,
     run_figures,
     write_report,
 )
+
+HELP = "LoRA vs full fine-tuning on the same layout: peak memory, optimizer state, ms/step"
+DESCRIPTION = "Full fine-tuning and LoRA, each a real training run, alternating rounds."
 
 MIB = 2**20
 ADAM_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq in fp32 (the step tensors are left out: 4 bytes per tensor)
@@ -115,9 +119,7 @@ def report(
             "losses": figure["losses"],
         }
     return {
-        "benchmark": "lora",
-        "command": bench_command(args.argv),
-        "ranks": args.ranks,
+        **report_head("lora", args, "ranks"),
         "lora_rank": args.rank,
         "runs": rows,
         **memory_pair(full, lora),
@@ -142,16 +144,14 @@ def markdown(result: dict[str, Any]) -> str:
          f"{row['mem_peak_max_gib']:.3f}", f"{row['mem_peak_avg_gib']:.3f}", f"{row['ms_per_iter']:.1f}"]
         for name, row in result["runs"].items()
     ]  # fmt: skip
-    lines = [
-        f"# LoRA (rank {result['lora_rank']}, attention + routed experts) vs full fine-tuning, {result['ranks']} "
-        "rank(s)",
-        "",
-        *md_table(columns, cells),
-        "",
-        f"- peak per rank: {result['saving_max_pct']:.1f}% lower (max rank), {result['saving_avg_pct']:.1f}% (mean); "
-        f"optimizer state x{result['optimizer_ratio']:.4f}; step time: LoRA {result['speedup']:.2f}x as fast",
-        *[f"- {note}" for note in result["notes"]],
-    ]
+    title = (
+        f"LoRA (rank {result['lora_rank']}, attention + routed experts) vs full fine-tuning, {result['ranks']} rank(s)"
+    )
+    saving = (
+        f"peak per rank: {result['saving_max_pct']:.1f}% lower (max rank), {result['saving_avg_pct']:.1f}% (mean); "
+        f"optimizer state x{result['optimizer_ratio']:.4f}; step time: LoRA {result['speedup']:.2f}x as fast"
+    )
+    lines = md_report(title, columns, cells, [saving, *result["notes"]])
     versus = result.get("vs_deepspeed")
     if versus:
         cells = [
@@ -176,27 +176,13 @@ DS_NAMES = {"ds_compat": "ds-fsdp door (plan registry, EP)", "deepspeed": "DeepS
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "lora",
-        help="LoRA vs full fine-tuning on the same layout: peak memory, optimizer state, ms/step",
-        description="Full fine-tuning and LoRA, each a real training run, alternating rounds.",
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    parser = sub.add_parser("lora", help=HELP, description=DESCRIPTION)
     parser.add_argument("--ranks", type=int, default=2, help="processes per run (torchrun when > 1); EP over all")
-    parser.add_argument("--steps", type=int, default=6, help="training steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of ms/iter")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of both runs")
+    shape = shape_defaults(tokens=512, hidden=512, experts=16, top_k=4)
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
-    parser.add_argument("--tokens", type=int, default=512, help="tokens of each rank's micro batch (one sample)")
-    parser.add_argument("--images", type=int, default=2, help="synthetic 56 px images per sample")
-    parser.add_argument("--hidden", type=int, default=512, help="text hidden size (heads of 32 dims)")
-    parser.add_argument("--text-layers", type=int, default=4, help="text layers (the first is dense)")
-    parser.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer")
-    parser.add_argument("--top-k", type=int, default=4, help="experts per token")
-    parser.add_argument("--moe-intermediate", type=int, default=512, help="each expert's intermediate size")
     parser.add_argument("--ds-rounds", type=int, default=4, help="rounds of door vs real DeepSpeed (0: skip)")
     parser.add_argument("--ds-steps", type=int, default=12, help="steps per door / DeepSpeed run")
-    add_run_options(parser, Path("output/bench/lora"), threads_help="OMP_NUM_THREADS per rank (default: 1 on cpu)")
+    add_run_options(parser, Path("output/bench/lora"), device="cpu", steps=6, warmup=2, repeats=2, **shape)
 
 
 def main_lora(args: argparse.Namespace, argv: list[str]) -> int:

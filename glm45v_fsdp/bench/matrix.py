@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.bench.options import add_run_options, bench_command, settle
+from glm45v_fsdp.bench.options import DEVICES, add_run_options, bench_command, settle
 from glm45v_fsdp.bench.runner import (
     PARITY_LIMIT,
     Run,
@@ -49,6 +49,12 @@ from glm45v_fsdp.bench.runner import (
     write_report,
 )
 from glm45v_fsdp.errors import UserError
+
+HELP = "the reference report's switch matrix (00-10; F200 / F500 / P32K): parity, speed, memory, probes"
+DESCRIPTION = (
+    "The 00_baseline ... 10_full_ulysses configurations in the F200, F500 and P32K groups, every run "
+    "its own process from the same initial weights; tables (md, json) and charts."
+)
 
 CPU_OFFLOAD_NOTE = (
     "On cpu the offload rows count the host copies too: host and device are one memory, so offload can only add to "
@@ -788,19 +794,14 @@ def notes(args: argparse.Namespace, preset: Preset) -> list[str]:
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "matrix",
-        help="the reference report's switch matrix (00-10; F200 / F500 / P32K): parity, speed, memory, probes",
-        description="The 00_baseline ... 10_full_ulysses configurations in the F200, F500 and P32K groups, every run "
-        "its own process from the same initial weights; tables (md, json) and charts.",
-    )
+    parser = sub.add_parser("matrix", help=HELP, description=DESCRIPTION)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--configs", default=None, help="comma-separated configurations (default: all of each group)")
     parser.add_argument("--groups", default="F200,F500,P32K", help="comma-separated, from F200, F500, P32K")
     parser.add_argument("--ranks", type=int, default=None, help="processes per run (default: the preset's)")
-    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default=None, help="default: the preset's")
+    parser.add_argument("--device", choices=DEVICES, default=None, help="default: the preset's")
     parser.add_argument("--steps", type=int, default=None, help="timing steps of every group (default: the preset's)")
-    add_run_options(parser, Path("output/bench/matrix"), threads_help="OMP_NUM_THREADS per rank (default: 1 on cpu)")
+    add_run_options(parser, Path("output/bench/matrix"))
 
 
 def main_matrix(args: argparse.Namespace, argv: list[str]) -> int:

@@ -28,19 +28,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.bench.options import add_run_options, announce_failures, bench_command, check_counts, settle
+from glm45v_fsdp.bench.options import (
+    add_run_options,
+    announce_failures,
+    check_counts,
+    report_head,
+    settle,
+)
 from glm45v_fsdp.bench.runner import (
     PARITY_LIMIT,
     Run,
     Runner,
     load_range,
-    md_table,
+    md_report,
     memory_pair,
     pair_figures,
     run_figures,
     write_report,
 )
 from glm45v_fsdp.errors import UserError
+
+HELP = "OFF/ON training runs per memory switch: loss error, ms/iter, peak memory, saving"
+DESCRIPTION = "OFF/ON pairs of the memory switches, each side a training run in its own process."
 
 OFFLOAD_KEY = "features.activation_offload.enabled"
 
@@ -321,12 +330,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [
-        f"# Memory switches: OFF/ON pairs ({report['device']}, {report['ranks']} rank(s))",
-        "",
-        *md_table(COLUMNS, [_cells(row) for row in report["rows"]]),
-    ]
-    lines += ["", *[f"- {line}" for line in report["notes"]]]
+    title = f"Memory switches: OFF/ON pairs ({report['device']}, {report['ranks']} rank(s))"
+    lines = md_report(title, COLUMNS, [_cells(row) for row in report["rows"]], report["notes"])
     cpu = [
         f"{row['label']} {row['cpu_s_per_run'][0]:.1f} → {row['cpu_s_per_run'][1]:.1f} s "
         f"({(row['cpu_s_per_run'][1] / row['cpu_s_per_run'][0] - 1) * 100:+.1f}%)"
@@ -417,18 +422,10 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.switches
     ]
     report = {
-        "benchmark": "memory",
-        "device": args.device,
-        "ranks": args.ranks,
-        "tokens": args.tokens,
-        "vocab": args.vocab,
-        "text_layers": args.text_layers,
-        "steps": args.steps,
-        "warmup": args.warmup,
+        **report_head("memory", args, "device", "ranks", "tokens", "vocab", "text_layers", "steps", "warmup"),
         "repeats": args.repeats,
         "threads": args.threads,
         "memory_kind": memory_kind,
-        "command": bench_command(args.argv),
         "rows": rows,
         "notes": notes(args, runs, memory_kind),
         "runs": figures,
@@ -438,18 +435,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "memory",
-        help="OFF/ON training runs per memory switch: loss error, ms/iter, peak memory, saving",
-        description="OFF/ON pairs of the memory switches, each side a training run in its own process.",
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
-    parser.add_argument("--ranks", type=int, default=1, help="processes per run (torchrun when > 1)")
-    parser.add_argument("--steps", type=int, default=6, help="training steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of ms/iter")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration, round-robin")
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens of each rank's micro batch (one sample)")
-    parser.add_argument("--vocab", type=int, default=65536, help="vocabulary of the ChunkLoss and combined rows")
+    parser = sub.add_parser("memory", help=HELP, description=DESCRIPTION)
     parser.add_argument(
         "--text-layers", type=int, default=6, help="text decoder layers of the Recompute, Offload and combined rows"
     )
@@ -460,6 +446,7 @@ def add_parser(sub: Any) -> None:
         help="synthetic images per sample: the text generator's cost grows with the square of the text it repeats, "
         "so more (tiny) images make an 8192-token sample in ~60 ms instead of ~1.5 s",
     )
+    parser.add_argument("--vocab", type=int, default=65536, help="vocabulary of the ChunkLoss and combined rows")
     parser.add_argument(
         "--switches",
         type=lambda text: [name.strip() for name in text.split(",") if name.strip()],
@@ -468,11 +455,7 @@ def add_parser(sub: Any) -> None:
         help=f"comma-separated rows to measure, in order (default: all that fit --ranks): {','.join(SWITCHES)}",
     )
     add_run_options(
-        parser,
-        Path("output/bench/memory"),
-        threads_help="OMP_NUM_THREADS of each training process (default: 1 with --device cpu, else inherited). On a "
-        "shared CPU machine, 2+ threads per process turn other load into spin-waits that multiply a step's time "
-        "at random (measured: 2 s steps becoming 8-15 s); one thread keeps the pairs comparable",
+        parser, Path("output/bench/memory"), device="cpu", ranks=1, steps=6, warmup=2, repeats=1, tokens=8192
     )
 
 

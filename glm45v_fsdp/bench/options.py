@@ -1,5 +1,6 @@
-"""The options and checks the training-run scenarios share (memory, ep, longest, matrix): where the runs go, how long
-each may take, its threads, the user's overrides; and the command line a report records."""
+"""The options and checks the benches share: the counts most take (--device, --ranks, --steps, --warmup,
+--repeats), the model-shape knobs of the training-run scenarios, where the runs go, how long each may take, its
+threads, the user's overrides; the command line a report records and the head of a report."""
 
 from __future__ import annotations
 
@@ -12,13 +13,49 @@ from glm45v_fsdp.errors import UserError
 
 DEVICES = ("cpu", "cuda", "npu")
 
+# each shared option: (type, the help it gives unless a bench says more); a bench names those it takes
+SHARED_OPTIONS: dict[str, tuple[Any, str]] = {
+    "device": (str, "device of every run"),
+    "ranks": (int, "processes per run (torchrun when > 1)"),
+    "steps": (int, "training steps per run"),
+    "warmup": (int, "first steps left out of the step time"),
+    "repeats": (int, "runs per configuration, round-robin"),
+    "micro": (int, "micro batch per rank"),
+    "tokens": (int, "tokens of each rank's micro batch (one sample)"),
+    "images": (int, "synthetic 56 px images per sample"),
+    "hidden": (int, "text hidden size (heads of 32 dims)"),
+    "text_layers": (int, "text decoder layers (the first is dense)"),
+    "experts": (int, "routed experts per MoE layer"),
+    "top_k": (int, "experts per token"),
+    "moe_intermediate": (int, "each expert's intermediate size"),
+    "out": (Path, "output directory"),
+    "run_timeout": (float, "seconds allowed per training run"),
+    "threads": (int, "OMP_NUM_THREADS per rank"),
+}
 
-def add_run_options(parser: argparse.ArgumentParser, out: Path, threads_help: str) -> None:
-    """--out, --run-timeout, --threads and the trailing overrides."""
-    parser.add_argument("--out", type=Path, default=out, help="output directory")
-    parser.add_argument("--run-timeout", type=float, default=None, help="seconds allowed per training run")
-    parser.add_argument("--threads", type=int, default=None, help=threads_help)
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides for every run (applied last)")
+
+def add_options(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """The shared options `defaults` names, in its order, each with this bench's default (None: decided later, by
+    `settle` or a preset). A bench that means more by one of them adds it itself, with its own help."""
+    for name, default in defaults.items():
+        kind, text = SHARED_OPTIONS[name]
+        if name == "threads" and default is None:
+            text += " (default: 1 on cpu)"
+        typed = {"choices": DEVICES} if name == "device" else {"type": kind}
+        parser.add_argument(f"--{name.replace('_', '-')}", default=default, help=text, **typed)
+
+
+def add_run_options(parser: argparse.ArgumentParser, out: Path, **defaults: Any) -> None:
+    """The options of a bench of training runs: the shared ones `defaults` names (see `add_options`), --out,
+    --run-timeout, --threads (1 on a CPU unless set) and the trailing overrides."""
+    add_options(parser, **defaults, out=out, run_timeout=None, threads=None)
+    add_overrides(parser)
+
+
+def add_overrides(
+    parser: argparse.ArgumentParser, help: str = "key.path=value overrides for every run (applied last)"
+) -> None:
+    parser.add_argument("overrides", nargs="*", help=help)
 
 
 def check_counts(bench: str, args: argparse.Namespace, keys: tuple[str, ...]) -> None:
@@ -43,6 +80,11 @@ def settle(args: argparse.Namespace, argv: list[str], device: str) -> None:
 def bench_command(argv: list[str]) -> list[str]:
     """The command that reproduces a report, as the report records it."""
     return [sys.executable, "-m", "glm45v_fsdp.tools.bench", *argv]
+
+
+def report_head(bench: str, args: argparse.Namespace, *keys: str) -> dict[str, Any]:
+    """The first keys of a bench's JSON report: its name, the options `keys` names, the command that reproduces it."""
+    return {"benchmark": bench, **{key: getattr(args, key) for key in keys}, "command": bench_command(args.argv)}
 
 
 def announce_failures(bench: str, rows: list[dict[str, Any]]) -> None:

@@ -23,10 +23,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.bench.deepspeed_api import initial_weights, run_trainer, run_worker, runner
-from glm45v_fsdp.bench.options import bench_command
-from glm45v_fsdp.bench.runner import Runner, errors, md_table, write_report
+from glm45v_fsdp.bench.deepspeed_api import initial_weights, require_deepspeed, run_trainer, run_worker, runner
+from glm45v_fsdp.bench.options import add_options, report_head
+from glm45v_fsdp.bench.runner import Runner, errors, md_report, write_report
 from glm45v_fsdp.errors import UserError
+
+HELP = "a long run on the real DeepSpeed against this backend's two doors: loss, grad-norm and speed parity"
+DESCRIPTION = (
+    "The DeepSpeed-API script on DeepSpeed, on ds_compat and through our trainer, same weights and "
+    "batches, --steps steps per dtype; loss/grad-norm errors, throughput ratio, loss-comparison plots."
+)
 
 DOORS = ("ds_compat", "trainer")
 DOOR_NAMES = {"deepspeed": "DeepSpeed", "ds_compat": "engine API (ds_compat)", "trainer": "trainer --deepspeed"}
@@ -87,17 +93,9 @@ def markdown(report: dict[str, Any]) -> str:
          f"{r['ms_per_step'][0]:.1f} → {r['ms_per_step'][1]:.1f}", f"{r['throughput_ratio']:.3f}×", r["verdict"]]
         for dtype, rows in report["rows"].items() for door, r in rows.items()
     ]  # fmt: skip
-    lines = [
-        f"# Against DeepSpeed: {report['steps']} steps, ZeRO-{report['zero']}, {report['ranks']} ranks",
-        "",
-        f"Command: `{' '.join(report['command'][2:])}`; wall time {report['wall_s'] / 60:.1f} min.",
-        "",
-        *md_table(columns, cells),
-        "",
-        *[f"- {note}" for note in report["notes"]],
-        "",
-    ]
-    return "\n".join(lines)
+    title = f"Against DeepSpeed: {report['steps']} steps, ZeRO-{report['zero']}, {report['ranks']} ranks"
+    command = f"Command: `{' '.join(report['command'][2:])}`; wall time {report['wall_s'] / 60:.1f} min."
+    return "\n".join(md_report(title, columns, cells, report["notes"], intro=[command])) + "\n"
 
 
 def charts(report: dict[str, Any], runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -134,12 +132,7 @@ def run_parity(args: argparse.Namespace) -> dict[str, Any]:
             row["verdict"] = verdict(dtype, row)
             rows[dtype][door] = row
     report = {
-        "benchmark": "parity",
-        "steps": args.steps,
-        "zero": args.zero,
-        "ranks": args.ranks,
-        "warmup": args.warmup,
-        "command": bench_command(args.argv),
+        **report_head("parity", args, "steps", "zero", "ranks", "warmup"),
         "wall_s": time.perf_counter() - started,
         "rows": rows,
         "notes": [
@@ -170,13 +163,8 @@ def run_parity(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "parity",
-        help="a long run on the real DeepSpeed against this backend's two doors: loss, grad-norm and speed parity",
-        description="The DeepSpeed-API script on DeepSpeed, on ds_compat and through our trainer, same weights and "
-        "batches, --steps steps per dtype; loss/grad-norm errors, throughput ratio, loss-comparison plots.",
-    )
-    parser.add_argument("--steps", type=int, default=2000)
+    parser = sub.add_parser("parity", help=HELP, description=DESCRIPTION)
+    add_options(parser, steps=2000)
     parser.add_argument("--dtype", default="bf16,fp32", help="bf16 and/or fp32, comma-separated (bf16 is judged)")
     parser.add_argument(
         "--zero",
@@ -185,23 +173,13 @@ def add_parser(sub: Any) -> None:
         default=3,
         help="ZeRO stage of the ds_config (3: what a 106B job runs, and what FSDP2's full sharding is)",
     )
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--micro", type=int, default=2, help="micro batch per rank")
-    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of ms/step")
+    add_options(parser, ranks=2, micro=2, warmup=10)
     parser.add_argument("--lr", type=float, default=1e-5, help="peak lr of the warmup-cosine schedule")
-    parser.add_argument("--out", type=Path, default=Path("output/bench/parity"))
-    parser.add_argument("--run-timeout", type=float, default=None)
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    add_options(parser, out=Path("output/bench/parity"), run_timeout=None, threads=1)
 
 
 def main_parity(args: argparse.Namespace, argv: list[str]) -> int:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        raise UserError(
-            "bench parity: the reference needs DeepSpeed: DS_BUILD_OPS=0 pip install --no-build-isolation "
-            "'deepspeed>=0.19,<0.20' (CPU: DS_ACCELERATOR=cpu is set for the runs)."
-        ) from None
+    require_deepspeed("parity")
     from glm45v_fsdp.bench.charts import require_matplotlib
 
     require_matplotlib()

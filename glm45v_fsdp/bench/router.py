@@ -24,9 +24,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from glm45v_fsdp.bench.options import add_run_options, bench_command, check_counts, settle
-from glm45v_fsdp.bench.runner import Runner, load_range, md_table, write_report
+from glm45v_fsdp.bench.options import add_run_options, check_counts, report_head, settle
+from glm45v_fsdp.bench.runner import Runner, load_range, md_report, write_report
 from glm45v_fsdp.errors import UserError
+
+HELP = "MoE router balancing (bias update, auxiliary loss) against none, under skewed routing"
+DESCRIPTION = "Training runs under a skewed router: no balancing, the bias update, the auxiliary loss."
 
 
 def run_features(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -110,15 +113,9 @@ def _cells(name: str, row: dict[str, Any]) -> list[str]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [
-        f"# MoE router balancing under skewed routing ({report['steps']} steps)",
-        "",
-        *md_table(COLUMNS, [_cells(name, row) for name, row in report["runs"].items()]),
-        "",
-        *[f"- {note}" for note in report["notes"]],
-        "",
-    ]
-    return "\n".join(lines)
+    title = f"MoE router balancing under skewed routing ({report['steps']} steps)"
+    cells = [_cells(name, row) for name, row in report["runs"].items()]
+    return "\n".join(md_report(title, COLUMNS, cells, report["notes"])) + "\n"
 
 
 def run_router(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,9 +137,7 @@ def run_router(args: argparse.Namespace) -> dict[str, Any]:
             row["result"] = "FAIL: not below off" if name == "bias" else f"reported ({end / off_end:.2f}x off)"
     rows["bias"]["pass"] = rows["bias"]["result"].startswith("pass")
     report = {
-        "benchmark": "router",
-        "command": bench_command(args.argv),
-        "steps": args.steps,
+        **report_head("router", args, "steps"),
         "runs": rows,
         "notes": [
             f"model: the tiny GLM-4.5V (3 MoE layers, hidden 64) with {args.experts} routed experts top-{args.top_k}; "
@@ -160,20 +155,13 @@ def run_router(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "router",
-        help="MoE router balancing (bias update, auxiliary loss) against none, under skewed routing",
-        description="Training runs under a skewed router: no balancing, the bias update, the auxiliary loss.",
-    )
-    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
+    parser = sub.add_parser("router", help=HELP, description=DESCRIPTION)
     parser.add_argument("--interval", type=int, default=10, help="steps per router report (training.log_interval)")
     parser.add_argument("--tail-intervals", type=int, default=5, help="reports averaged for the end figures")
-    parser.add_argument("--experts", type=int, default=32, help="routed experts per MoE layer")
-    parser.add_argument("--top-k", type=int, default=4, help="experts per token")
     parser.add_argument("--skew", type=float, default=0.1, help="model.router_skew of every run")
     parser.add_argument("--rate", type=float, default=1e-3, help="features.router.bias_update_rate of the bias run")
     parser.add_argument("--aux-coef", type=float, default=1e-2, help="features.router.aux_loss_coef of the aux run")
-    add_run_options(parser, Path("output/bench/router"), threads_help="OMP_NUM_THREADS (default: 1)")
+    add_run_options(parser, Path("output/bench/router"), steps=200, experts=32, top_k=4)
 
 
 def main_router(args: argparse.Namespace, argv: list[str]) -> int:

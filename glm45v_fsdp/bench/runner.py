@@ -352,6 +352,21 @@ def md_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]
     return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
+def md_report(
+    title: str,
+    columns: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    notes: Sequence[str] = (),
+    intro: Sequence[str] = (),
+) -> list[str]:
+    """A report's markdown lines: the '# title', each `intro` paragraph, the table, then the notes as a list."""
+    lines = [f"# {title}", ""]
+    for paragraph in intro:
+        lines += [paragraph, ""]
+    lines += md_table(columns, rows)
+    return lines + (["", *[f"- {note}" for note in notes]] if notes else [])
+
+
 def write_report(
     out: Path,
     stem: str,

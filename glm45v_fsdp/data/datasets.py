@@ -230,26 +230,13 @@ class JsonImageTextDataset(RecordDataset):
     """Records of a .json list or a .jsonl file, every one checked when the data set is built (RecordDataset); all are
     parsed at once (the file is read whole), encoded a rank's share at a time."""
 
-    def __init__(
-        self,
-        data_path: str,
-        image_root: str | None,
-        tokenizer,
-        image_processor,
-        cutoff_len: int,
-        spatial_merge_size: int,
-        on_bad_record: str = "stop",
-        max_image_pixels: int = 89_478_485,
-        video: DataConfig | None = None,
-    ):
-        super().__init__(tokenizer, image_processor, cutoff_len, spatial_merge_size, max_image_pixels, video)
-        self.data_path = Path(data_path)
+    def _open(self, data: DataConfig) -> int:
         if not self.data_path.is_file():
             raise UserError(
-                f"Config key 'data.data_path' = '{data_path}' is not a file. Point it at a .json (list of "
+                f"Config key 'data.data_path' = '{data.data_path}' is not a file. Point it at a .json (list of "
                 f"records) or .jsonl (one record per line) file."
             )
-        self.image_root = check_image_root(image_root, self.data_path.parent)
+        self.image_root = check_image_root(data.image_root, self.data_path.parent)
         # each record of the file: (messages, image paths, videos), or the RecordError that says why it is bad
         self.records: list[tuple[list[dict], list[Path], list[VideoSource]] | RecordError] = []
         for record in _read_json_records(self.data_path):
@@ -257,7 +244,7 @@ class JsonImageTextDataset(RecordDataset):
                 self.records.append(parse_record(record, self.image_root))
             except RecordError as error:
                 self.records.append(error)
-        self._check(len(self.records), on_bad_record)
+        return len(self.records)
 
     def _record(self, index: int) -> tuple[list[dict], list[Path], list[VideoSource]]:
         record = self.records[index]
@@ -306,18 +293,5 @@ def build_dataset(data_cfg: DataConfig, hf_config, tokenizer, image_processor) -
             video_every=data_cfg.synthetic_video_every,
             video_frames=data_cfg.synthetic_video_frames,
         )
-    reader, extra = JsonImageTextDataset, {}
-    if data_cfg.dataset == "hf":
-        reader, extra = HfImageTextDataset, {"split": data_cfg.hf_split}
-    return reader(
-        data_cfg.data_path,
-        data_cfg.image_root,
-        tokenizer,
-        image_processor,
-        data_cfg.cutoff_len,
-        merge,
-        on_bad_record=data_cfg.on_bad_record,
-        max_image_pixels=data_cfg.max_image_pixels,
-        video=data_cfg,
-        **extra,
-    )
+    reader = HfImageTextDataset if data_cfg.dataset == "hf" else JsonImageTextDataset
+    return reader(data_cfg, tokenizer, image_processor, merge)

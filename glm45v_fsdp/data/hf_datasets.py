@@ -187,24 +187,10 @@ class HfImageTextDataset(RecordDataset):
 
     unit = "row"
 
-    def __init__(
-        self,
-        data_path: str,
-        image_root: str | None,
-        tokenizer,
-        image_processor,
-        cutoff_len: int,
-        spatial_merge_size: int,
-        on_bad_record: str = "stop",
-        max_image_pixels: int = 89_478_485,
-        video: DataConfig | None = None,
-        split: str = "train",
-    ):
-        super().__init__(tokenizer, image_processor, cutoff_len, spatial_merge_size, max_image_pixels, video)
-        self.data_path = Path(data_path)
-        table, self.split = load_hf_data(self.data_path, split)
+    def _open(self, data: DataConfig) -> int:
+        table, self.split = load_hf_data(self.data_path, data.hf_split)
         self.image_root = check_image_root(
-            image_root, self.data_path if self.data_path.is_dir() else self.data_path.parent
+            data.image_root, self.data_path if self.data_path.is_dir() else self.data_path.parent
         )
         columns = list(table.column_names)
         if not set(TURN_COLUMNS) & set(columns):
@@ -216,7 +202,7 @@ class HfImageTextDataset(RecordDataset):
             )
         self.rows = table.with_format("arrow")  # raw rows: no decoding by `datasets`
         get_logger().info("data: %s holds %d rows, columns %s", self._source(), len(table), columns)
-        self._check(len(table), on_bad_record)
+        return len(table)
 
     def _split_text(self) -> str:
         return f", split '{self.split}'" if self.split is not None else ""

@@ -104,12 +104,7 @@ def parse_record(
                 f"goes and '{VIDEO_TAG}' where a video goes"
             )
     images = images_of(record, image_root)
-    n_tags = sum(m["content"].count(IMAGE_TAG) for m in messages)
-    if n_tags != len(images):
-        raise RecordError(
-            f"it has {n_tags} '{IMAGE_TAG}' tag(s) but {len(images)} image(s); put one '{IMAGE_TAG}' "
-            f"in the user turns for each image, in order"
-        )
+    _check_tags(messages, IMAGE_TAG, len(images), "image")
     for path in images:
         if isinstance(path, Path) and not path.is_file():
             raise RecordError(
@@ -117,13 +112,18 @@ def parse_record(
                 f"the data file's directory) or drop the record"
             )
     videos = _parse_videos(record, image_root)
-    n_tags = sum(m["content"].count(VIDEO_TAG) for m in messages)
-    if n_tags != len(videos):
-        raise RecordError(
-            f"it has {n_tags} '{VIDEO_TAG}' tag(s) but {len(videos)} video(s); put one '{VIDEO_TAG}' in the user "
-            f"turns for each video, in order"
-        )
+    _check_tags(messages, VIDEO_TAG, len(videos), "video")
     return messages, images, videos
+
+
+def _check_tags(messages: list[dict], tag: str, count: int, kind: str) -> None:
+    """One `tag` in the messages for each of the record's `count` images or videos (`kind`)."""
+    n_tags = sum(m["content"].count(tag) for m in messages)
+    if n_tags != count:
+        raise RecordError(
+            f"it has {n_tags} '{tag}' tag(s) but {count} {kind}(s); put one '{tag}' in the user turns for each "
+            f"{kind}, in order"
+        )
 
 
 def _parse_videos(record: dict, root: Path) -> list[VideoSource]:
@@ -178,30 +178,29 @@ class RecordDataset(ImageTextDataset):
     many there are; `"skip"` trains on the good records only, logs each bad one and keeps their count in
     `skipped_records`. Record indices in messages are always those of the source.
 
-    A subclass sets `data_path` and `image_root`, provides `_record` (the parsed record at an index of the source),
-    `_record_name`, `_source` and `_summary_head`, and ends its `__init__` with `_check`; `unit` names a record.
+    The data keys come from `data` (data.data_path, data.image_root, data.cutoff_len, data.on_bad_record,
+    data.max_image_pixels, the data.video_* keys, and what a reader reads besides). A subclass provides `_open` (reads
+    the source, sets `image_root`, returns the number of records), `_record` (the parsed record at an index of the
+    source), `_record_name`, `_source` and `_summary_head`; `unit` names a record.
     """
 
     unit = "record"
 
-    def __init__(
-        self,
-        tokenizer,
-        image_processor,
-        cutoff_len: int,
-        spatial_merge_size: int,
-        max_image_pixels: int = 89_478_485,
-        video: DataConfig | None = None,
-    ):
-        super().__init__(tokenizer, image_processor, cutoff_len, spatial_merge_size)
-        self.video = video or DataConfig()  # its video_* keys
+    def __init__(self, data: DataConfig, tokenizer, image_processor, spatial_merge_size: int):
+        super().__init__(tokenizer, image_processor, data.cutoff_len, spatial_merge_size)
+        self.video = data  # its video_* keys
         self.max_pixels = int(image_processor.size["longest_edge"])
-        self.max_image_pixels = max_image_pixels
-        self.data_path: Path = Path()
+        self.max_image_pixels = data.max_image_pixels
+        self.data_path = Path(data.data_path or "")
         self.image_root: Path = Path()
         self.total_records = 0
         self.indices: Sequence[int] = range(0)  # position in the data set -> index in the source
         self.image_count = self.video_count = 0  # of the good records
+        self._check(self._open(data), data.on_bad_record)
+
+    def _open(self, data: DataConfig) -> int:
+        """Reads the source at `data_path` and sets `image_root`; the number of records in the source."""
+        raise NotImplementedError
 
     def _record(self, index: int) -> tuple[list[dict], list, list[VideoSource]]:
         """(messages, image entries, videos) of the record at `index` of the source; a RecordError when it is bad."""

@@ -73,6 +73,7 @@ from glm45v_fsdp.bench import (
     resume_reads,
     router,
 )
+from glm45v_fsdp.bench.options import add_options, add_overrides
 from glm45v_fsdp.errors import UserError
 
 
@@ -80,10 +81,10 @@ def add_overhead_parser(sub: Any) -> None:
     """bench overhead's options (here: bench/overhead.py imports torch, which --help must not wait for)."""
     parser = sub.add_parser("overhead", help="our 1-rank step vs a bare PyTorch loop, side by side")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per side")
-    parser.add_argument("--warmup", type=int, default=5)
+    add_options(parser, warmup=5)
     parser.add_argument("--blocks", type=int, default=4, help="alternating timing blocks")
     parser.add_argument("--output", type=Path, default=Path("output/bench/overhead.json"))
-    parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
+    add_overrides(parser, "key.path=value config overrides")
 
 
 def run_overhead(args: argparse.Namespace, argv: list[str]) -> int:
@@ -93,23 +94,21 @@ def run_overhead(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+OPS_HELP = "each op's fast kernel vs its reference (error, speed-up), and a training run auto vs reference"
+OPS_DESCRIPTION = "Accelerator ops: kernel against reference per op, then model.ops=auto against reference."
+
+
 def add_ops_parser(sub: Any) -> None:
     """bench ops' options (here: bench/ops.py imports torch, which --help must not wait for)."""
-    parser = sub.add_parser(
-        "ops",
-        help="each op's fast kernel vs its reference (error, speed-up), and a training run auto vs reference",
-        description="Accelerator ops: kernel against reference per op, then model.ops=auto against reference.",
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    parser = sub.add_parser("ops", help=OPS_HELP, description=OPS_DESCRIPTION)
     parser.add_argument(
         "--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="default: bf16 on accelerators, fp32 on cpu"
     )
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per op call (attention: one packed row)")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per kernel (median)")
     parser.add_argument("--steps", type=int, default=20, help="training steps per run (0: skip the training part)")
-    parser.add_argument("--out", type=Path, default=Path("output/bench/ops"), help="output directory")
-    parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds allowed per training run")
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides for both training runs")
+    add_options(parser, device="cpu", out=Path("output/bench/ops"), run_timeout=600.0)
+    add_overrides(parser, "key.path=value overrides for both training runs")
 
 
 def run_ops(args: argparse.Namespace, argv: list[str]) -> int:
