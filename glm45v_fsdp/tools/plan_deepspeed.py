@@ -21,6 +21,7 @@ from glm45v_fsdp.planner.layout import Job, Layout
 from glm45v_fsdp.planner.search import Evaluation, Planner, SearchSpace
 from glm45v_fsdp.tools.plan_report import (
     build_planner,
+    checkpoint_figures,
     config_batch,
     device_of,
     explain,
@@ -118,6 +119,8 @@ def run_deepspeed_plan(args: argparse.Namespace) -> int:
     report = {"deepspeed": deepspeed_summary(ds_run, args, job), "layout": explain(planner, found, job)}
     if not found.fits:
         report["layout"]["remedies"] = remedies(planner, found)
+    if found.error is None:  # as --explain of the layout prints it
+        report["layout"]["checkpoint"] = checkpoint_figures(planner, found, args)
     report["search"] = compare(planner, found, job, args.unit_mib)
     print(json.dumps(report, indent=1) if args.json else format_deepspeed(report))
     return 0
