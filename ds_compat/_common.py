@@ -7,7 +7,7 @@ and the fix.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -84,25 +84,32 @@ def is_number(value: Any) -> bool:
 
 
 def format_value(value: Any) -> str:
-    """A value as our `key.path=value` overrides read it back (YAML scalars)."""
+    """A value as a person writes it on our command line (YAML scalars): for reports, never read back."""
     if isinstance(value, bool):
         return "true" if value else "false"
     return repr(value) if isinstance(value, float) else str(value)
 
 
+def render_fields(fields: Mapping[str, Any]) -> list[str]:
+    """Typed config fields as `key.path=value` lines for people (logs, explain); nothing parses them."""
+    return [f"{key}={format_value(value)}" for key, value in fields.items()]
+
+
 @dataclass
 class Report:
-    """What a translation found: our overrides, keys without effect (each once), and differences from DeepSpeed."""
+    """What a translation found: our config fields (key path -> typed value), keys without effect (each once), and
+    differences from DeepSpeed."""
 
-    overrides: list[str] = field(default_factory=list)
+    fields: dict[str, Any] = field(default_factory=dict)
     no_effect: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     trainer_notes: set[str] = field(default_factory=set)  # notes about our trainer's door only (not the engine API)
     misspelled: list[str] = field(default_factory=list)  # top-level keys close to a DeepSpeed key: warnings
 
     def override(self, key: str, value: Any) -> None:
-        self.overrides = [item for item in self.overrides if item.split("=", 1)[0] != key]
-        self.overrides.append(f"{key}={format_value(value)}")
+        """Set our config key `key` to `value`; a key set again moves to the end (the order the report shows)."""
+        self.fields.pop(key, None)
+        self.fields[key] = value
 
     def ignore(self, path: str) -> None:
         if path not in self.no_effect:

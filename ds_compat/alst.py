@@ -14,17 +14,15 @@ DeepSpeed.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from ds_compat.config import load_ds_config
-from ds_compat.ds_keys import EXTENSION_KEY
 from ds_compat.runtime.sequence_parallel import parallel_state_sp
 from glm45v_fsdp.errors import UserError
 
 
-def with_alst_mpu(config: dict | str | os.PathLike, mpu: Any) -> dict:
-    """The ds_config with `sequence_parallel_size` from the ALST mpu (checked against the config's own)."""
+def alst_sequence_parallel_size(mpu: Any) -> int:
+    """The sequence-parallel size of DeepSpeed's ALST mpu, which the translation takes as `sequence_parallel_size`
+    (ds_compat.config.translate's `alst_sequence_parallel`, checked there against the ds_config's own)."""
     if mpu is not parallel_state_sp:
         raise UserError(
             f"initialize(mpu={getattr(mpu, '__name__', type(mpu).__name__)}): the FSDP2 backend takes only "
@@ -37,25 +35,7 @@ def with_alst_mpu(config: dict | str | os.PathLike, mpu: Any) -> dict:
             "initialize(mpu=parallel_state_sp) before its groups exist: call "
             "UlyssesSPAttentionHF.register_with_transformers(...) (or initialize_sequence_parallel) first."
         )
-    raw = load_ds_config(config)
-    size = parallel_state_sp.get_sequence_parallel_world_size()
-    given = raw.get("sequence_parallel_size", "auto")
-    if given not in ("auto", 1, size):
-        raise UserError(
-            f"DeepSpeed config key 'sequence_parallel_size' = {given!r} differs from the ALST mpu's sequence "
-            f"parallel size {size} (register_with_transformers / parallelism_config sp_size). Remove the key, or "
-            "set both to the same size."
-        )
-    ring = raw.get(EXTENSION_KEY, {}).get("parallel", {}).get("ring_attention_size", 1)
-    if ring != 1:
-        raise UserError(
-            f"'{EXTENSION_KEY}.parallel.ring_attention_size' = {ring!r} with DeepSpeed's ALST mpu "
-            "(parallelism_config sp_size): the ALST loader adapter slices the targets contiguously for Ulysses, "
-            "while Ring splits sequences zigzag. Use Ring and hybrid through sequence_parallel_size and the "
-            "extension section without parallelism_config, or remove ring_attention_size."
-        )
-    raw["sequence_parallel_size"] = size
-    return raw
+    return parallel_state_sp.get_sequence_parallel_world_size()
 
 
 def sequence_average(zero_stage: int) -> int:

@@ -2,9 +2,9 @@
 
 `translate(source, world_size, base)` loads the config (a dict, a JSON/hjson file or base64 JSON, as DeepSpeed
 accepts), fills "auto" values from `base` the way transformers' HF Trainer integration does, derives the batch
-triple with DeepSpeed's arithmetic and checks, and maps every key onto our `key.path=value` overrides plus an
-optimizer and a scheduler spec — or lists it as having no effect on FSDP2, notes what differs from DeepSpeed, or
-raises a UserError saying why it cannot be honoured.
+triple with DeepSpeed's arithmetic and checks, and maps every key onto our config's fields (key path -> typed value,
+`Translation.fields`, which both doors apply as they are) plus an optimizer and a scheduler spec — or lists it as
+having no effect on FSDP2, notes what differs from DeepSpeed, or raises a UserError saying why it cannot be honoured.
 
 CLI: python -m ds_compat.config explain ds_config.json --world-size N [--config our.yaml] [--json]; "auto" values come
 from --config, by default the config the trainer runs without one (configs/glm45v_tiny.yaml).
@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,15 +33,17 @@ from ds_compat._common import (
     format_value,
     is_number,
     key_error,
+    render_fields,
 )
-from ds_compat.extension import map_extension, ring_attention_size
+from ds_compat.extension import map_extension, read_extension
+from ds_compat.sections import AutoEP
 from ds_compat.specs import OptimizerSpec, SchedulerSpec, optimizer_spec, scheduler_spec
 from glm45v_fsdp.config import (
     Config,
     TrainingConfig,
     config_from_dict,
     load_config,
-    parse_override_value,
+    set_fields,
     to_dict,
     validate_layout,
 )
@@ -317,10 +320,10 @@ def resolve_batch(ds: dict, dp_world_size: int) -> BatchTriple:
 
 @dataclass
 class Translation:
-    """A ds_config mapped onto the engine: apply `overrides` to our config, build `optimizer`, drive `scheduler`."""
+    """A ds_config mapped onto the engine: set `fields` on our config, build `optimizer`, drive `scheduler`."""
 
     batch: BatchTriple
-    overrides: list[str]
+    fields: dict[str, Any]  # our config key path -> typed value, in the order the sections set them
     optimizer: OptimizerSpec
     scheduler: SchedulerSpec | None
     zero_stage: int
@@ -338,22 +341,22 @@ class Translation:
     steps_per_print: float = sections.DEFAULT_STEPS_PER_PRINT  # a positive int, or math.inf (never)
 
     ring_attention_size: int = 1  # the extension section's, which also takes ranks from data parallelism
+    expert_parallel: AutoEP = field(default_factory=AutoEP)  # the expert_parallel section as the engine needs it
+    extension: dict[str, Any] = field(default_factory=dict)  # the extension section's keys (key path -> value)
 
     @property
     def sequence_parallel_size(self) -> int:
         return self.world_size // (self.dp_world_size * self.ring_attention_size)
 
-    def apply(self, base: Config, extra: list[str] | tuple[str, ...] = ()) -> Config:
-        """`base` with the overrides (then `extra` ones) applied, validated (layout included) for this world size."""
-        tree = to_dict(base)
-        for item in [*self.overrides, *extra]:
-            key, raw = item.split("=", 1)
-            *parents, leaf = key.split(".")
-            node = tree
-            for part in parents:
-                node = node[part]
-            node[leaf] = parse_override_value(raw)
-        config = config_from_dict(tree)
+    @property
+    def overrides(self) -> list[str]:
+        """`fields` as `key.path=value` lines, for people (explain, logs, --json); nothing parses them back."""
+        return render_fields(self.fields)
+
+    def apply(self, base: Config, extra: Mapping[str, Any] | None = None) -> Config:
+        """`base` with `fields` (then `extra`, key path -> typed value) set, validated (layout included) for this
+        world size."""
+        config = config_from_dict(set_fields(set_fields(to_dict(base), self.fields), extra or {}))
         validate_layout(config.parallel, self.world_size)
         return config
 
@@ -399,15 +402,22 @@ def preview_steps(scheduler: SchedulerSpec) -> list[int]:
     return sorted(steps) if len(steps) > 2 else [0, 1, 10, 100]
 
 
-def translate(source: dict | str | os.PathLike, world_size: int, base: Config | None = None) -> Translation:
-    """Map a ds_config onto the engine for `world_size` ranks; `base` fills "auto" values (our config's)."""
+def translate(
+    source: dict | str | os.PathLike,
+    world_size: int,
+    base: Config | None = None,
+    alst_sequence_parallel: int | None = None,
+) -> Translation:
+    """Map a ds_config onto the engine for `world_size` ranks; `base` fills "auto" values (our config's);
+    `alst_sequence_parallel`: the sequence-parallel size of DeepSpeed's ALST mpu (ds_compat.alst), if one is given."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UserError(f"The world size must be an integer >= 1, got {world_size!r}.")
     raw = load_ds_config(source)
     report = Report()
     sections.check_top_level(raw, report)
-    sp = sections.sequence_parallel(raw, world_size, report)
-    ring = ring_attention_size(raw, world_size, sp)
+    sp = sections.sequence_parallel(raw, world_size, report, alst_sequence_parallel)
+    extension = read_extension(raw)
+    ring = extension.ring_attention_size(world_size, sp, alst=alst_sequence_parallel is not None)
     dp = world_size // (sp * ring)
     ds, filled = resolve_auto(raw, base, dp)
     batch = resolve_batch(ds, dp)
@@ -439,12 +449,12 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
         )
     steps_per_print = sections.map_logging(ds, report)
     sections.map_activation_checkpointing(ds, report)
-    sections.map_expert_parallel(ds, world_size, dp, stage, report)
+    expert_parallel = sections.map_expert_parallel(ds, world_size, dp, stage, report)
     sections.map_unsupported_features(ds, report)
-    map_extension(ds, report)
+    extension_keys = map_extension(extension, report)
     return Translation(
         batch=batch,
-        overrides=report.overrides,
+        fields=report.fields,
         optimizer=optimizer,
         scheduler=scheduler,
         zero_stage=stage,
@@ -460,6 +470,8 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
         dp_world_size=dp,
         ring_attention_size=ring,
         steps_per_print=steps_per_print,
+        expert_parallel=expert_parallel,
+        extension=extension_keys,
     )
 
 

@@ -30,20 +30,20 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.data import DistributedSampler, IterableDataset
 
-from ds_compat.alst import sequence_average, with_alst_mpu
+from ds_compat._common import format_value, render_fields
+from ds_compat.alst import alst_sequence_parallel_size, sequence_average
 from ds_compat.comm import device_layer, get_local_rank
 from ds_compat.config import Translation, translate
 from ds_compat.dataloader import DeepSpeedDataLoader
 from ds_compat.ds_keys import EXTENSION_KEY
-from ds_compat.extension import section_leaves
 from ds_compat.glm_door import (
     check_autoep_section,
     check_router_features,
     directly_called,
     forward_replaced,
     is_glm45v,
-    lora_overrides,
-    model_overrides,
+    lora_fields,
+    model_fields,
     output_layer_in_root,
     peft_glm45v,
     take_weights,
@@ -112,10 +112,10 @@ def generic_path_note(model: nn.Module) -> str:
     )
 
 
-def refuse_plan_extension(ds_config: dict, model: nn.Module) -> None:
-    """An extension key that switches a plan is refused on the generic path, never logged as taken and dropped."""
-    section = ds_config.get(EXTENSION_KEY) or {}
-    leaves = [(path, value) for path, value in section_leaves(section) if path.startswith(PLAN_EXTENSION_PREFIXES)]
+def refuse_plan_extension(extension: dict[str, Any], model: nn.Module) -> None:
+    """An extension key (the translation's `extension`) that switches a plan is refused on the generic path, never
+    logged as taken and dropped."""
+    leaves = [(path, value) for path, value in extension.items() if path.startswith(PLAN_EXTENSION_PREFIXES)]
     if leaves:
         path, value = leaves[0]
         raise UserError(
@@ -276,13 +276,14 @@ class DeepSpeedEngine(nn.Module):
         self.device_layer = device_layer()
         self.device = self.device_layer.device(self.local_rank)
         self.alst = mpu is not None  # DeepSpeed's ALST: the adapter slices the targets, the loss is the slice's
-        self.translation: Translation = translate(with_alst_mpu(config, mpu) if self.alst else config, self.world_size)
+        alst_size = alst_sequence_parallel_size(mpu) if self.alst else None
+        self.translation: Translation = translate(config, self.world_size, alst_sequence_parallel=alst_size)
         # GLM-4.5V, bare or inside a PEFT LoRA model, runs on the plan registry; any other module on the generic path
         peft_base = peft_glm45v(model)
         self.glm45v = is_glm45v(model) or peft_base is not None
         self.core = peft_base if peft_base is not None else model  # the model the plans (or generic FSDP) build
         if not self.glm45v:
-            refuse_plan_extension(self.translation.ds_config, model)
+            refuse_plan_extension(self.translation.extension, model)
             self.log.info("ds_compat: %s", generic_path_note(model))
         split = next(((key, size) for key, size in self._context_parallel_keys() if size > 1), None)
         if split is not None and not self.glm45v:
@@ -293,12 +294,9 @@ class DeepSpeedEngine(nn.Module):
                 "Glm4vMoeForConditionalGeneration) only. Remove the key (and parallelism_config's sp_size), or pass "
                 "a GLM-4.5V."
             )
-        expert_parallel = next(
-            (item for item in self.translation.overrides if item.startswith("parallel.expert_parallel_size=")), None
-        )
-        if expert_parallel is not None and not self.glm45v:
+        if self.translation.expert_parallel.size > 1 and not self.glm45v:
             raise UserError(
-                f"DeepSpeed config key 'expert_parallel.autoep_size' = {expert_parallel.partition('=')[2]} is not "
+                f"DeepSpeed config key 'expert_parallel.autoep_size' = {self.translation.expert_parallel.size} is not "
                 f"supported for a {type(model).__name__} by the engine API: splitting the experts of a module needs "
                 "to know its MoE block (router, expert stacks, how tokens reach them), which this backend knows for "
                 "GLM-4.5V (transformers' Glm4vMoeForConditionalGeneration) only. Set expert_parallel.enabled to "
@@ -309,14 +307,14 @@ class DeepSpeedEngine(nn.Module):
         # read now: a generator (model.parameters()) read after the model is rebuilt would yield the new parameters,
         # whose ids may be those of freed old ones
         given_groups = None if model_parameters is None else _param_groups(model_parameters)
-        from_model = []
+        from_model: dict[str, Any] = {}
         self.peft: PeftAdapters | None = None
         if self.glm45v and not hasattr(model, SHARDED_AS):
-            check_autoep_section(self.config, self.core, moe_layer_names(self.core.config))
-            from_model = model_overrides(self.core)
+            check_autoep_section(self.translation.expert_parallel, self.core, moe_layer_names(self.core.config))
+            from_model = model_fields(self.core)
             if self.core is not model:
                 self.peft = take_adapters(model)  # the LoRA layers unwrapped: self.core is transformers' model again
-                from_model += lora_overrides(self.peft)
+                from_model |= lora_fields(self.peft)
                 old_names = {key: self.peft.names.ours(name) for key, name in old_names.items()}
         self._config = self.translation.apply(Config(), from_model)
         if self.glm45v:
@@ -342,10 +340,9 @@ class DeepSpeedEngine(nn.Module):
                 self.log.info("ds_compat: %s", note)
         for warning in self.translation.misspelled:
             self.log.warning("ds_compat: %s", warning)
-        for item in self.translation.overrides:
-            key, _, value = item.partition("=")
-            if key in NOT_APPLIED and value not in ("false", "0") and not (self.glm45v and key in PLAN_KEYS):
-                self.log.warning("ds_compat: %s: %s", item, NOT_APPLIED[key])
+        for key, value in self.translation.fields.items():
+            if key in NOT_APPLIED and value and not (self.glm45v and key in PLAN_KEYS):
+                self.log.warning("ds_compat: %s=%s: %s", key, format_value(value), NOT_APPLIED[key])
 
         self.own_units: tuple[str, ...] = ()
         if self.glm45v:
@@ -478,7 +475,7 @@ class DeepSpeedEngine(nn.Module):
         self.log.info("ds_compat: the model is already sharded by an earlier engine; its FSDP2 units are kept")
         return True
 
-    def _adopt(self, model: nn.Module, from_model: list[str]) -> nn.Module:
+    def _adopt(self, model: nn.Module, from_model: dict[str, Any]) -> nn.Module:
         """GLM-4.5V: the script's model rebuilt in place on the plan registry (ds_compat/glm_door.py)."""
         if self._reuse(model):
             return model
@@ -486,7 +483,7 @@ class DeepSpeedEngine(nn.Module):
             "ds_compat: GLM-4.5V recognised (%s): built through the plan registry as our trainer builds it; "
             "from the model: %s",
             type(model).__name__,
-            ", ".join(from_model),
+            ", ".join(render_fields(from_model)),
         )
         glm = self.core
         partitioned = _take_zero_init_partitions(glm)

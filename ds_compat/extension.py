@@ -11,12 +11,13 @@ model), are refused with the key to use instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ds_compat._common import Report, as_int, as_section, key_error
 from ds_compat.ds_keys import EXTENSION_KEY
-from glm45v_fsdp.config import Config, config_from_dict, deep_merge, parse_override_value, to_dict
-from glm45v_fsdp.errors import ConfigError
+from glm45v_fsdp.config import Config, config_from_dict, deep_merge, set_fields, to_dict
+from glm45v_fsdp.errors import ConfigError, UserError
 
 # Our keys that a DeepSpeed key decides -> that key.
 DECIDED_BY_DEEPSPEED = {
@@ -56,30 +57,51 @@ def section_leaves(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
     return items
 
 
-def ring_attention_size(ds: dict, world_size: int, sequence_parallel_size: int) -> int:
-    """The extension's Ring size (1 when unset), which takes ranks from data parallelism as sequence_parallel_size
-    does: it must divide world size / sequence_parallel_size. Read before the batch arithmetic needs the
-    data-parallel size; the rest of the section is validated by map_extension."""
-    parallel = as_section(EXTENSION_KEY, ds.get(EXTENSION_KEY) or {}).get("parallel") or {}
-    ring = parallel.get("ring_attention_size", 1) if isinstance(parallel, dict) else 1
-    path = f"{EXTENSION_KEY}.parallel.ring_attention_size"
-    ring = as_int(path, ring, minimum=1)
-    ranks = world_size // sequence_parallel_size
-    if ranks % ring:
-        raise key_error(
-            path,
-            ring,
-            f"does not divide world size / sequence_parallel_size = {world_size} / {sequence_parallel_size}",
-            f"Choose a divisor of {ranks}; the data-parallel size is world size / (sequence_parallel_size x Ring).",
-        )
-    return ring
+@dataclass(frozen=True)
+class ExtensionSection:
+    """The extension section as the ds_config writes it (read once, by `read_extension`); `given`: the key is there."""
+
+    given: bool = False
+    value: Any = None
+
+    def ring_attention_size(self, world_size: int, sequence_parallel_size: int, alst: bool = False) -> int:
+        """The section's Ring size (1 when unset), which takes ranks from data parallelism as sequence_parallel_size
+        does: it must divide world size / sequence_parallel_size, and stay 1 under DeepSpeed's ALST mpu (`alst`).
+        Read before the batch arithmetic needs the data-parallel size; the rest of the section is validated by
+        map_extension."""
+        parallel = as_section(EXTENSION_KEY, self.value or {}).get("parallel") or {}
+        ring = parallel.get("ring_attention_size", 1) if isinstance(parallel, dict) else 1
+        path = f"{EXTENSION_KEY}.parallel.ring_attention_size"
+        if alst and ring != 1:
+            raise UserError(
+                f"'{path}' = {ring!r} with DeepSpeed's ALST mpu (parallelism_config sp_size): the ALST loader adapter "
+                "slices the targets contiguously for Ulysses, while Ring splits sequences zigzag. Use Ring and hybrid "
+                "through sequence_parallel_size and the extension section without parallelism_config, or remove "
+                "ring_attention_size."
+            )
+        ring = as_int(path, ring, minimum=1)
+        ranks = world_size // sequence_parallel_size
+        if ranks % ring:
+            raise key_error(
+                path,
+                ring,
+                f"does not divide world size / sequence_parallel_size = {world_size} / {sequence_parallel_size}",
+                f"Choose a divisor of {ranks}; the data-parallel size is world size / (sequence_parallel_size x Ring).",
+            )
+        return ring
 
 
-def map_extension(ds: dict, report: Report) -> None:
-    """The extension section onto `key.path=value` overrides (call after the DeepSpeed keys are mapped)."""
-    if EXTENSION_KEY not in ds:
-        return
-    section = as_section(EXTENSION_KEY, ds[EXTENSION_KEY])
+def read_extension(ds: dict) -> ExtensionSection:
+    """The ds_config's extension section: the one place that reads it."""
+    return ExtensionSection(EXTENSION_KEY in ds, ds.get(EXTENSION_KEY))
+
+
+def map_extension(extension: ExtensionSection, report: Report) -> dict[str, Any]:
+    """The extension section onto our config's fields (call after the DeepSpeed keys are mapped); returns its keys
+    (key path -> value)."""
+    if not extension.given:
+        return {}
+    section = as_section(EXTENSION_KEY, extension.value)
     leaves = section_leaves(section)
     for path, value in leaves:
         owner = next((key for key in OWNED_ELSEWHERE if path == key or path.startswith(key + ".")), None)
@@ -93,14 +115,8 @@ def map_extension(ds: dict, report: Report) -> None:
                 f"DeepSpeed config key '{EXTENSION_KEY}.{path}' = {value!r} is decided by DeepSpeed's own key "
                 f"'{DECIDED_BY_DEEPSPEED[path]}'. Set that key instead and remove this one."
             )
-    tree = to_dict(Config())
-    for item in report.overrides:  # validated together with what the DeepSpeed keys set (EP for EP balance, ...)
-        key, raw = item.split("=", 1)
-        *parents, leaf = key.split(".")
-        node = tree
-        for part in parents:
-            node = node[part]
-        node[leaf] = parse_override_value(raw)
+    # validated together with what the DeepSpeed keys set (EP for EP balance, ...)
+    tree = set_fields(to_dict(Config()), report.fields)
     try:
         config_from_dict(deep_merge(tree, section))
     except ConfigError as error:
@@ -111,3 +127,4 @@ def map_extension(ds: dict, report: Report) -> None:
         f"'{EXTENSION_KEY}' (this backend's keys, which DeepSpeed ignores): "
         + ", ".join(f"{path}={value!r}" for path, value in leaves)
     )
+    return dict(leaves)

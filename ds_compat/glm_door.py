@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ds_compat._common import key_error
 from ds_compat.ds_keys import EXTENSION_KEY
+from ds_compat.sections import AutoEP
 from ds_compat.zero.partition_parameters import gather_full, is_partitioned
 from glm45v_fsdp.checkpoint.layout import model_tensors
 from glm45v_fsdp.config import Config, FsdpPlanConfig
@@ -57,9 +59,9 @@ def peft_glm45v(model: nn.Module) -> nn.Module | None:
     return base if base is not None and is_glm45v(base) else None
 
 
-def lora_overrides(adapters: PeftAdapters) -> list[str]:
-    """Our model.lora keys for a PEFT model's adapters: they switch the lora plan on, which takes the modules, ranks
-    and scalings from the spec itself (each layer as PEFT built it)."""
+def lora_fields(adapters: PeftAdapters) -> dict[str, Any]:
+    """Our model.lora keys (key path -> value) for a PEFT model's adapters: they switch the lora plan on, which takes
+    the modules, ranks and scalings from the spec itself (each layer as PEFT built it)."""
     spec = adapters.spec
     settings = [*spec.linear.values(), *(adapter for stacks in spec.experts.values() for adapter in stacks.values())]
     if not settings:
@@ -67,16 +69,17 @@ def lora_overrides(adapters: PeftAdapters) -> list[str]:
             "The PEFT model passed to deepspeed.initialize has no LoRA layer this backend adapts (nn.Linear layers, "
             "the routed experts' stacks): check its LoraConfig's target_modules / target_parameters."
         )
-    return [
-        f"model.lora.rank={settings[0].rank}",
-        f"model.lora.alpha={settings[0].alpha}",
-        f"model.lora.experts={str(bool(spec.experts)).lower()}",
-    ]
+    return {
+        "model.lora.rank": settings[0].rank,
+        "model.lora.alpha": settings[0].alpha,
+        "model.lora.experts": bool(spec.experts),
+    }
 
 
-def model_overrides(model: nn.Module) -> list[str]:
-    """Our config keys the script's model decides: its attention implementation, and transformers' activation
-    checkpointing (then switched off in transformers: the recompute plan replaces it, never runs beside it)."""
+def model_fields(model: nn.Module) -> dict[str, Any]:
+    """Our config keys (key path -> value) the script's model decides: its attention implementation, and
+    transformers' activation checkpointing (then switched off in transformers: the recompute plan replaces it, never
+    runs beside it)."""
     attention = model.config._attn_implementation
     if attention not in ATTENTION:
         raise UserError(
@@ -84,17 +87,17 @@ def model_overrides(model: nn.Module) -> list[str]:
             f"runs {', '.join(ATTENTION)}. Build the model with one of them (from_pretrained(..., "
             'attn_implementation="sdpa")).'
         )
-    overrides = [f"model.attn_implementation={attention}"]
+    fields: dict[str, Any] = {"model.attn_implementation": attention}
     layers = [name for name, module in model.named_modules() if isinstance(module, GradientCheckpointingLayer)]
     checkpointed = [name for name in layers if model.get_submodule(name).gradient_checkpointing]
     if checkpointed:
         # transformers >= 5.23 names it activation_checkpointing_disable, earlier 5.x gradient_checkpointing_disable
         disable = getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)
         disable()
-        overrides.append("features.recompute.enabled=true")
+        fields["features.recompute.enabled"] = True
         if checkpointed != layers:  # transformers' every_n_layers: the same layers, by name
-            overrides.append(f"features.recompute.apply_modules={checkpointed}")
-    return overrides
+            fields["features.recompute.apply_modules"] = checkpointed
+    return fields
 
 
 def forward_replaced(model: nn.Module) -> bool:
@@ -170,14 +173,13 @@ def output_layer_in_root(model: nn.Module, plan: FsdpPlanConfig) -> FsdpPlanConf
     return dataclasses.replace(plan, apply_modules=[name for name in plan.apply_modules if name != "lm_head"])
 
 
-def check_autoep_section(ds_config: dict, model: nn.Module, moe_layers: list[str]) -> None:
-    """AutoEP's keys that locate the MoE layers must describe this model: `preset_model` glm4v_moe, a
-    `moe_layer_pattern` that matches exactly its MoE layers (among the modules with an experts child, as AutoEP
-    skips dense ones), `router_pattern` gate, `expert_pattern` experts."""
-    section = ds_config.get("expert_parallel") or {}
-    if not section.get("enabled", False):
+def check_autoep_section(autoep: AutoEP, model: nn.Module, moe_layers: list[str]) -> None:
+    """AutoEP's keys that locate the MoE layers (the translation's `expert_parallel`) must describe this model:
+    `preset_model` glm4v_moe, a `moe_layer_pattern` that matches exactly its MoE layers (among the modules with an
+    experts child, as AutoEP skips dense ones), `router_pattern` gate, `expert_pattern` experts."""
+    if not autoep.enabled:
         return
-    preset = section.get("preset_model")
+    preset = autoep.preset_model
     if preset is not None and preset != PRESET_NAME:
         raise key_error(
             "expert_parallel.preset_model",
@@ -185,7 +187,7 @@ def check_autoep_section(ds_config: dict, model: nn.Module, moe_layers: list[str
             f"is not GLM-4.5V's preset; the model passed to initialize is GLM-4.5V ({MODEL_TYPE})",
             f'Write "{PRESET_NAME}" or remove the key (the MoE layers are found from the model).',
         )
-    pattern = section.get("moe_layer_pattern")
+    pattern = autoep.moe_layer_pattern
     if pattern is not None:
         # as AutoEP: a matched module without an experts child is a dense MLP, skipped
         matched = [
@@ -201,7 +203,7 @@ def check_autoep_section(ds_config: dict, model: nn.Module, moe_layers: list[str
                 r'Write "model\.language_model\.layers\.\d+\.mlp" or remove the key.',
             )
     for key, child in (("router_pattern", ROUTER), ("expert_pattern", EXPERTS)):
-        value = section.get(key)
+        value = getattr(autoep, key)
         if value is not None and value != child:
             raise key_error(
                 f"expert_parallel.{key}",

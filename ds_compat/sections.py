@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ds_compat import ds_keys
@@ -24,6 +25,8 @@ from ds_compat._common import (
 from glm45v_fsdp.errors import UserError
 
 _STRICT_WHY = "DeepSpeed's schema for this section forbids keys it does not define"
+# AutoEP's keys that locate the MoE layers in a model (AutoEP.preset_model ... expert_pattern).
+AUTOEP_LOCATING_KEYS = ("preset_model", "moe_layer_pattern", "router_pattern", "expert_pattern")
 DTYPE_NAMES = {  # the spellings DeepSpeed's DtypeEnum takes -> our names
     "fp16": "fp16",
     "float16": "fp16",
@@ -82,7 +85,18 @@ def check_top_level(ds: dict, report: Report) -> None:
             report.note(f"'{key}' is not a DeepSpeed key: DeepSpeed ignores it, and so does the translation.")
 
 
-def sequence_parallel(ds: dict, world_size: int, report: Report) -> int:
+def sequence_parallel(ds: dict, world_size: int, report: Report, alst_size: int | None = None) -> int:
+    """sequence_parallel_size (checked with data_parallel_size); under DeepSpeed's ALST mpu (`alst_size`: its
+    sequence-parallel size) the mpu's size, which the ds_config may leave out or repeat, and which it then holds."""
+    if alst_size is not None:
+        given = ds.get("sequence_parallel_size", "auto")
+        if given not in ("auto", 1, alst_size):
+            raise UserError(
+                f"DeepSpeed config key 'sequence_parallel_size' = {given!r} differs from the ALST mpu's sequence "
+                f"parallel size {alst_size} (register_with_transformers / parallelism_config sp_size). Remove the "
+                "key, or set both to the same size."
+            )
+        ds["sequence_parallel_size"] = alst_size
     sp = ds.get("sequence_parallel_size")
     sp = 1 if sp is None else as_int("sequence_parallel_size", sp, minimum=1)
     if world_size % sp:
@@ -525,9 +539,22 @@ def map_unsupported_features(ds: dict, report: Report) -> None:
         raise _cannot("weight_quantization", ds["weight_quantization"], "quantized weights change the numerics")
 
 
-def map_expert_parallel(ds: dict, world_size: int, dp: int, stage: int, report: Report) -> int:
+@dataclass(frozen=True)
+class AutoEP:
+    """The expert_parallel section as the engine needs it: the EP size (1: off), and, when the section is enabled, the
+    keys that say where the MoE layers live, which the engine checks against the model it is given (None: unset)."""
+
+    size: int = 1
+    enabled: bool = False
+    preset_model: Any = None
+    moe_layer_pattern: Any = None
+    router_pattern: Any = None
+    expert_pattern: Any = None
+
+
+def map_expert_parallel(ds: dict, world_size: int, dp: int, stage: int, report: Report) -> AutoEP:
     """DeepSpeed 0.19's AutoEP section onto parallel.expert_parallel_size (call after map_zero: `stage`, `dp` the
-    data-parallel ranks); returns the EP size (1: off).
+    data-parallel ranks); returns the section as the engine needs it.
 
     `enabled` + `autoep_size` choose the size. The keys that tell AutoEP where an arbitrary model's MoE layers,
     experts and router live, and its kernel choices, have no effect (our MoE plan knows GLM-4.5V's MoE block). Routing
@@ -541,12 +568,13 @@ def map_expert_parallel(ds: dict, world_size: int, dp: int, stage: int, report: 
                 f"'expert_parallel.{key}' is not an AutoEP key: DeepSpeed ignores it, and so does the translation."
             )
     size = as_int("expert_parallel.autoep_size", section.get("autoep_size", 1), minimum=1)
+    locate = {key: section.get(key) for key in AUTOEP_LOCATING_KEYS} if on else {}
     use_data_first = ds.get("use_data_before_expert_parallelism", False)
     if not on or size == 1:
         report.ignore("expert_parallel")
         if "use_data_before_expert_parallelism" in ds:
             report.ignore("use_data_before_expert_parallelism")
-        return 1
+        return AutoEP(1, on, **locate)
     if world_size % size:
         raise key_error(
             "expert_parallel.autoep_size",
@@ -615,4 +643,4 @@ def map_expert_parallel(ds: dict, world_size: int, dp: int, stage: int, report: 
             report.ignore(f"expert_parallel.{key}")
     if "use_data_before_expert_parallelism" in ds:
         report.ignore("use_data_before_expert_parallelism")
-    return size
+    return AutoEP(size, on, **locate)

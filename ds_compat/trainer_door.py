@@ -48,7 +48,7 @@ def _value(config: Config, key: str) -> object:
 
 
 def _conflicts(cli_overrides: list[str], base: Config, translated: Config, mapped_keys: set[str]) -> list[str]:
-    """Command-line keys the ds_config also sets, to another (typed) value."""
+    """Command-line keys (the user's `key=value` words) the ds_config also sets, to another (typed) value."""
     keys = dict.fromkeys(item.partition("=")[0] for item in cli_overrides)
     return [
         f"{key}={_value(base, key)!r} on the command line, {key}={_value(translated, key)!r} from the ds_config"
@@ -61,8 +61,7 @@ def configure(ds_source: str | os.PathLike, base: Config, cli_overrides: list[st
     """Translate the ds_config for `world_size` ranks onto `base` (our YAML with the command-line overrides)."""
     translation = translate(ds_source, world_size, base)
     config = translation.apply(base)
-    mapped_keys = {item.split("=", 1)[0] for item in translation.overrides}
-    conflicts = _conflicts(cli_overrides, base, config, mapped_keys)
+    conflicts = _conflicts(cli_overrides, base, config, set(translation.fields))
     if conflicts:
         raise UserError(
             f"The command line and the DeepSpeed config '{ds_source}' set the same keys differently: "

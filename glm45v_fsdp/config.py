@@ -13,6 +13,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -701,6 +702,18 @@ def config_from_dict(tree: dict) -> Config:
     config = _build(Config, tree, "")
     validate(config)
     return config
+
+
+def set_fields(tree: dict, fields: Mapping[str, Any]) -> dict:
+    """`tree` (a config as `to_dict` gives it) with typed values set by key path, e.g.
+    {"parallel.expert_parallel_size": 2}: what a translation decides, applied without a round trip through text."""
+    for path, value in fields.items():
+        *parents, leaf = path.split(".")
+        node = tree
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return tree
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ds_compat import alias
-from ds_compat.alst import sequence_average, with_alst_mpu
+from ds_compat.alst import alst_sequence_parallel_size, sequence_average
+from ds_compat.config import translate
 from ds_compat.runtime.sequence_parallel import parallel_state_sp
 from ds_compat.runtime.sequence_parallel.ulysses_sp import (
     TiledFusedLogitsLoss,
@@ -51,22 +52,29 @@ def mpu_of_two(monkeypatch):
     return parallel_state_sp
 
 
+def under_alst(ds_config: dict, mpu: object, world_size: int = 2):
+    """The translation the engine makes under `mpu` (deepspeed.initialize(mpu=...))."""
+    return translate(ds_config, world_size, alst_sequence_parallel=alst_sequence_parallel_size(mpu))
+
+
 def test_engine_takes_the_size_from_the_alst_mpu(mpu_of_two):
-    assert with_alst_mpu(BASE, mpu_of_two)["sequence_parallel_size"] == 2
-    assert with_alst_mpu({**BASE, "sequence_parallel_size": 2}, mpu_of_two)["sequence_parallel_size"] == 2
+    for ds_config in (BASE, {**BASE, "sequence_parallel_size": 2}, {**BASE, "sequence_parallel_size": "auto"}):
+        translation = under_alst(ds_config, mpu_of_two)
+        assert translation.ds_config["sequence_parallel_size"] == 2 and translation.sequence_parallel_size == 2
+        assert translation.fields["parallel.ulysses_parallel_size"] == 2
     assert "sequence_parallel_size" not in BASE  # the script's dict is not modified
     assert (sequence_average(3), sequence_average(2)) == (2, 1)  # DeepSpeed 0.19.8: ZeRO-3 averages over SP
 
 
 def test_engine_refuses_what_the_alst_mpu_cannot_mean(mpu_of_two):
     with pytest.raises(UserError, match="'sequence_parallel_size' = 4 differs from the ALST mpu's .* 2"):
-        with_alst_mpu({**BASE, "sequence_parallel_size": 4}, mpu_of_two)
+        under_alst({**BASE, "sequence_parallel_size": 4}, mpu_of_two)
     ring = {**BASE, "glm45v_fsdp": {"parallel": {"ring_attention_size": 2}}}
     with pytest.raises(UserError, match="ring_attention_size' = 2 with DeepSpeed's ALST mpu"):
-        with_alst_mpu(ring, mpu_of_two)
+        under_alst(ring, mpu_of_two, world_size=4)
     megatron = type("Mpu", (), {"get_model_parallel_world_size": staticmethod(lambda: 2)})()
     with pytest.raises(UserError, match="Megatron-style model parallelism is not supported"):
-        with_alst_mpu(BASE, megatron)
+        under_alst(BASE, megatron)
 
 
 def test_adapter_gives_each_rank_its_slice_of_the_shifted_targets_and_the_inputs_whole():

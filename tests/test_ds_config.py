@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from ds_compat import ds_keys, schedules
+from ds_compat._common import format_value
 from ds_compat.config import explain_text, load_ds_config, main, resolve_auto, resolve_batch, translate
+from ds_compat.sections import AutoEP
 from glm45v_fsdp.config import Config, TrainingConfig, config_from_dict, load_config
 from glm45v_fsdp.errors import UserError
 
@@ -773,6 +775,31 @@ def test_autoep_key_tables_match_deepspeeds_config():
         assert fields[key].default == default, key
 
 
+def test_the_translation_hands_both_doors_typed_fields():
+    """Issue 53: the translator's result is values (key path -> typed value) and typed sections, applied as they are;
+    its `key=value` lines are a rendering of the same fields, which nothing reads back."""
+    patterns = ["model.language_model.layers.{0-1,3}.mlp.experts"]
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "gradient_clipping": 0.5,
+        "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "glm4v_moe"},
+        "glm45v_fsdp": {"parallel": {"ep_plan": {"apply_modules": patterns}}},
+    }
+    translation = translate(ds, 2)
+    fields = translation.fields
+    assert type(fields["parallel.expert_parallel_size"]) is int and fields["parallel.expert_parallel_size"] == 2
+    assert fields["parallel.fsdp_plan.reshard_after_forward"] is True and fields["training.clip_grad"] == 0.5
+    assert fields["parallel.ep_plan.apply_modules"] == patterns
+    assert translation.expert_parallel == AutoEP(2, True, preset_model="glm4v_moe")
+    assert translation.extension == {"parallel.ep_plan.apply_modules": patterns}
+    assert translation.overrides == [f"{key}={format_value(value)}" for key, value in fields.items()]
+    config = translation.apply(Config(), {"model.attn_implementation": "eager", "model.lora.alpha": 8})
+    assert (config.parallel.expert_parallel_size, config.parallel.ep_plan.apply_modules) == (2, patterns)
+    assert (config.model.attn_implementation, config.model.lora.alpha) == ("eager", 8.0)
+    assert translate({"train_micro_batch_size_per_gpu": 1}, 2).expert_parallel == AutoEP()
+
+
 def test_expert_parallel_maps_to_the_ep_size():
     section = {"enabled": True, "autoep_size": 2, "top_k": "auto", "use_grouped_mm": True, "preset_model": "x"}
     translation = translate({"train_batch_size": 8, "zero_optimization": {"stage": 2}, "expert_parallel": section}, 4)
@@ -867,7 +894,8 @@ def test_sequence_parallel_size_maps_to_ulysses_and_must_divide():
 
 
 def _overrides(translation) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in translation.overrides)
+    """The translation's fields as the report renders them (key path -> text)."""
+    return {key: format_value(value) for key, value in translation.fields.items()}
 
 
 @pytest.mark.parametrize(
@@ -1041,8 +1069,7 @@ def test_explain_without_config_uses_the_trainers_default_config(capsys):
 
 
 def unit_mib_of(translation) -> float:
-    (item,) = [item for item in translation.overrides if item.startswith("parallel.fsdp_plan.unit_mib=")]
-    return float(item.split("=", 1)[1])
+    return translation.fields["parallel.fsdp_plan.unit_mib"]
 
 
 @pytest.mark.parametrize(

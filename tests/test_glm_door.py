@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from transformers import Glm4vMoeForConditionalGeneration
 
 from ds_compat.config import translate
-from ds_compat.glm_door import check_autoep_section, is_glm45v, model_overrides
+from ds_compat.glm_door import check_autoep_section, is_glm45v, model_fields
 from glm45v_fsdp.config import ModelConfig
 from glm45v_fsdp.errors import ConfigError, UserError
 from glm45v_fsdp.model import load_hf_config
@@ -450,13 +450,14 @@ def test_forward_without_labels_under_context_parallelism_is_refused():
 
 def test_transformers_checkpointing_becomes_the_recompute_plan_and_is_switched_off():
     model = _meta_glm()
-    assert model_overrides(model) == ["model.attn_implementation=sdpa"]
+    assert model_fields(model) == {"model.attn_implementation": "sdpa"}
     model.activation_checkpointing_enable()
-    assert model_overrides(model) == ["model.attn_implementation=sdpa", "features.recompute.enabled=true"]
+    assert model_fields(model) == {"model.attn_implementation": "sdpa", "features.recompute.enabled": True}
     assert not model.is_activation_checkpointing  # transformers' own no longer runs
     model.activation_checkpointing_enable(every_n_layers=2)  # the same layers by name
-    overrides = model_overrides(model)
-    assert overrides[-1].startswith("features.recompute.apply_modules=['model.visual.blocks.0'")
+    fields = model_fields(model)
+    assert list(fields)[-1] == "features.recompute.apply_modules"
+    assert fields["features.recompute.apply_modules"][0] == "model.visual.blocks.0"
 
 
 def test_autoep_keys_must_describe_glm45v():
@@ -469,7 +470,11 @@ def test_autoep_keys_must_describe_glm45v():
         "moe_layer_pattern": r"model\.language_model\.layers\.\d+\.mlp",
     }
     good.update(router_pattern="gate", expert_pattern="experts")
-    check_autoep_section({"expert_parallel": good}, model, layers)  # the layer 0 `mlp` is dense: not matched
+
+    def translated(section: dict):  # the section as the translation hands it to the engine
+        return translate({"train_micro_batch_size_per_gpu": 1, "expert_parallel": section}, 2).expert_parallel
+
+    check_autoep_section(translated(good), model, layers)  # the layer 0 `mlp` is dense: not matched
     bad = {
         "preset_model": ("mixtral", "not GLM-4.5V's preset"),
         "moe_layer_pattern": (r"model\.layers\.\d+\.mlp", "matches 0 module(s)"),
@@ -478,7 +483,7 @@ def test_autoep_keys_must_describe_glm45v():
     }
     for key, (value, problem) in bad.items():
         with pytest.raises(ConfigError, match=f"expert_parallel.{key}.*{re.escape(problem)}"):
-            check_autoep_section({"expert_parallel": {**good, key: value}}, model, layers)
+            check_autoep_section(translated({**good, key: value}), model, layers)
 
 
 def test_extension_section_is_validated_like_overrides():

@@ -59,7 +59,7 @@ def translated_run(args: argparse.Namespace) -> DeepSpeedRun:
 def left_open(ds_run: DeepSpeedRun, args: argparse.Namespace, job: Job) -> list[dict[str, str | None]]:
     """The layout keys the ds_config does not set: their value, where it comes from, and the value the engine API
     gives them (it applies the same translation onto the defaults, not onto a YAML; None: it has no such key)."""
-    mapped = {item.split("=", 1)[0] for item in ds_run.translation.overrides}
+    mapped = set(ds_run.translation.fields)
     cli = {item.split("=", 1)[0] for item in args.overrides}
     engine = dict(item.split("=", 1) for item in Layout.of_config(ds_run.translation.apply(Config())).overrides(job))
     rows = []
