@@ -34,7 +34,7 @@ from conftest import free_port, python  # noqa: E402
 
 import ds_compat  # noqa: E402
 from ds_compat import comm  # noqa: E402
-from ds_compat.engine import auto_fsdp_units  # noqa: E402
+from ds_compat.engine_build import auto_fsdp_units  # noqa: E402
 from glm45v_fsdp.errors import UserError  # noqa: E402
 from glm45v_fsdp.log import get_logger  # noqa: E402
 
