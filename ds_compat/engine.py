@@ -34,6 +34,7 @@ from ds_compat.config import Translation, translate
 from ds_compat.dataloader import DeepSpeedDataLoader
 from ds_compat.engine_build import build_engine_model
 from ds_compat.engine_checkpoint import CheckpointAPI, keep_whole_state_dicts
+from ds_compat.engine_model import mark_sharded
 from ds_compat.engine_queries import EngineQueries
 from ds_compat.engine_step import EngineSteps, param_groups
 from ds_compat.utils import groups
@@ -72,6 +73,7 @@ class DeepSpeedEngine(EngineQueries, EngineSteps, CheckpointAPI, nn.Module):
         # whose ids may be those of freed old ones
         given_groups = None if model_parameters is None else param_groups(model_parameters)
         built = build_engine_model(model, self.translation, self.alst, self.device_layer, self.device)
+        mark_sharded(built.module, built.sharding())  # a later engine on the same model reuses its units
         self.module, self.core, self.glm45v = built.module, built.core, built.glm45v
         self._config, self.plan, self.dims, self.meshes = built.config, built.plan, built.dims, built.meshes
         groups.use_meshes(self.meshes)  # deepspeed.utils.groups answers from this engine's meshes

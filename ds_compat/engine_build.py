@@ -14,7 +14,7 @@ from torch import nn
 
 from ds_compat.config import Translation
 from ds_compat.ds_keys import EXTENSION_KEY
-from ds_compat.engine_model import EngineModel, context_parallel_keys, mark_sharded, reuse_sharded
+from ds_compat.engine_model import EngineModel, context_parallel_keys, reuse_sharded
 from ds_compat.extension import section_leaves
 from ds_compat.glm_door import build_glm, is_glm45v, peft_glm45v
 from ds_compat.script_weights import module_partitions
@@ -144,7 +144,5 @@ def build_generic(
     dims = build_parallel_dims(config.parallel, dist.get_world_size())
     built = EngineModel(model, model, False, config, dims, ParallelMeshes(dims, device_layer.type), old_names)
     if not reuse_sharded(built):
-        sharding = built.sharding()
         adopt_module(model, config, dims, built.meshes, device_layer, device, module_partitions(model))
-        mark_sharded(model, sharding)
     return built

@@ -30,13 +30,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ds_compat._common import key_error
 from ds_compat.config import Translation
 from ds_compat.ds_keys import EXTENSION_KEY
-from ds_compat.engine_model import (
-    EngineModel,
-    context_parallel_keys,
-    mark_sharded,
-    reuse_sharded,
-    sharded_before,
-)
+from ds_compat.engine_model import EngineModel, context_parallel_keys, reuse_sharded, sharded_before
 from ds_compat.script_weights import take_weights
 from glm45v_fsdp.builders import adopt_model
 from glm45v_fsdp.config import Config, FsdpPlanConfig
@@ -233,7 +227,8 @@ def build_glm(
     """GLM-4.5V (`core`), bare or inside a PEFT LoRA model (`model`), down its door in one pass: what the model
     decides (attention, transformers' checkpointing, the PEFT adapters) added to the translation, checked against
     the ds_config, the FSDP units the script needs, then rebuilt in place on the plan registry (builders.adopt_model)
-    with the script's weights; an earlier engine's model keeps its units."""
+    with the script's weights; an earlier engine's model keeps its units. Nothing is left to do here once the plans
+    ran: the engine marks the model sharded and builds the step."""
     log = get_logger()
     world_size = dist.get_world_size()
     split = next(((key, size) for key, size in context_parallel_keys(translation) if size > 1), None)
@@ -289,19 +284,18 @@ def build_glm(
             "an FSDP unit of its own, gathered when called, the root initialised before the first call",
             ", ".join(own_units),
         )
-    spec = peft.spec if peft is not None else None
-    matched = adopt_model(core, config, dims, built.meshes, device_layer, device, weights, spec, own_units)
     if peft is not None:
         keep_peft_names(model, peft.names)
         log.info(
-            "ds_compat: the lora plan built the %s; the %s keeps PEFT's parameter names in its state dicts",
+            "ds_compat: the lora plan builds the %s; the %s keeps PEFT's parameter names in its state dicts",
             peft.describe(),
             type(model).__name__,
         )
-    if "chunk_loss" in matched and not forward_replaced(core):
+    if config.features.chunk_loss.mode != "off" and not forward_replaced(core):
         log.info(
             "ds_compat: the loss is chunked (%s): the model's output holds .loss and no logits",
             config.features.chunk_loss.mode,
         )
-    mark_sharded(model, built.sharding())
+    spec = peft.spec if peft is not None else None
+    adopt_model(core, config, dims, built.meshes, device_layer, device, weights, spec, own_units)
     return built
