@@ -158,9 +158,6 @@ class DeepSpeedEngine(EngineQueries, EngineSteps, CheckpointAPI, nn.Module):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
 
-    # ------------------------------------------------------------------------------------------------------
-    # Training
-    # ------------------------------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> DeepSpeedEngine:
         self.module.train(mode)
         self.training = mode

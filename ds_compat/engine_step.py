@@ -223,5 +223,3 @@ class EngineSteps:
             "" if self.loss_scaler is None else f" at fp16 loss scale {outcome.loss_scale:g}",
             self.skipped_steps,
         )
-
-    # ------------------------------------------------------------------------------------------------------
