@@ -15,7 +15,6 @@ from ds_compat.ds_keys import EXTENSION_KEY
 from glm45v_fsdp.config import Config, FsdpPlanConfig, to_dict
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger
-from glm45v_fsdp.lora.peft_model import PeftAdapters
 from glm45v_fsdp.runtime import ParallelDims, ParallelMeshes
 
 SHARDED_AS = "_ds_compat_sharded_as"  # module attribute: how an engine sharded it, so a later engine can reuse it
@@ -33,7 +32,6 @@ class EngineModel:
     dims: ParallelDims
     meshes: ParallelMeshes
     old_names: dict[int, str]  # id of each parameter the script's model held -> its name in the built model
-    peft: PeftAdapters | None = None  # a PEFT model's adapters, taken apart for the lora plan
 
     @property
     def plan(self) -> FsdpPlanConfig:

@@ -246,7 +246,7 @@ def build_glm(
     config = translation.apply(Config(), from_model)
     check_router_features(config, core, alst)
     dims = build_parallel_dims(config.parallel, world_size)
-    built = EngineModel(model, core, True, config, dims, ParallelMeshes(dims, device_layer.type), old_names, peft)
+    built = EngineModel(model, core, True, config, dims, ParallelMeshes(dims, device_layer.type), old_names)
     own_units: tuple[str, ...] = ()
     config.parallel.fsdp_plan = output_layer_in_root(core, config.parallel.fsdp_plan)
     if fresh:

@@ -438,6 +438,9 @@ def test_the_generic_path_says_so_and_refuses_plan_keys(group):
         get_logger().removeHandler(handler)
     line = next(r.getMessage() for r in records if "is not a model this backend builds" in r.getMessage())
     assert line.startswith("ds_compat: Net is not a model") and "the chunked loss, recompute" in line
+    # built through the plan registry's module plans (plans.MODULE_PLANS), the fsdp plan saying what it did
+    fsdp = next(r.getMessage() for r in records if r.getMessage().startswith("[plan fsdp]"))
+    assert fsdp.startswith("[plan fsdp] 1 pattern(s); not sharded: the FSDP mesh has one rank") and "blocks.{*}" in fsdp
     extension = {"train_batch_size": 1, "glm45v_fsdp": {"features": {"chunk_loss": {"mode": "dynamic"}}}}
     with pytest.raises(UserError, match=r"'glm45v_fsdp.features.chunk_loss.mode' = 'dynamic' switches a plan"):
         ds_compat.initialize(model=Net(), config=extension)
