@@ -24,6 +24,7 @@ from glm45v_fsdp.config import Config
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger
 from glm45v_fsdp.lora.peft_model import is_peft_model
+from glm45v_fsdp.plans import PlanContext
 from glm45v_fsdp.runtime import DeviceLayer, ParallelMeshes, build_parallel_dims
 
 # Overrides the translation emits for our trainer that the engine (any nn.Module) does not apply, and why.
@@ -144,5 +145,7 @@ def build_generic(
     dims = build_parallel_dims(config.parallel, dist.get_world_size())
     built = EngineModel(model, model, False, config, dims, ParallelMeshes(dims, device_layer.type), old_names)
     if not reuse_sharded(built):
-        adopt_module(model, config, dims, built.meshes, device_layer, device, module_partitions(model))
+        weights = module_partitions(model)
+        context = PlanContext(config, dims, getattr(model, "config", None), device_layer, built.meshes, device, weights)
+        adopt_module(model, context)
     return built

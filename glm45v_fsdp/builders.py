@@ -128,19 +128,10 @@ def adopt_model(
     return matched
 
 
-def adopt_module(
-    model: nn.Module,
-    config: Config,
-    dims: ParallelDims,
-    meshes: ParallelMeshes,
-    device: DeviceLayer,
-    torch_device: torch.device,
-    weights: GivenWeights | None = None,
-) -> dict[str, list[PlanMatch]]:
+def adopt_module(model: nn.Module, context: PlanContext) -> dict[str, list[PlanMatch]]:
     """Any other module a script built, sharded in place through the module plans (plans.MODULE_PLANS): FSDP2 with
-    the units of config.parallel.fsdp_plan, then `weights`, the values of the parameters it left on the meta device.
-    Returns {plan name: matches}."""
-    context = PlanContext(config, dims, getattr(model, "config", None), device, meshes, torch_device, weights)
+    the units of context.config's fsdp plan, then context.weights, the values of the parameters it left on the meta
+    device. Returns {plan name: matches}."""
     return apply_plans(model, context, MODULE_PLANS)
 
 
