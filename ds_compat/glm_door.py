@@ -10,15 +10,16 @@ What reaches the plans, and from where:
   PEFT's names on its state dicts;
 - the model itself: transformers' activation checkpointing, switched on before `initialize` (the HF Trainer's
   gradient_checkpointing=True, LLaMA-Factory), becomes the recompute plan and is switched off in transformers; its
-  attention implementation; its weights, requires_grad and parameter names.
+  attention implementation; its weights, requires_grad and parameter names (ds_compat/script_weights.py).
+
+`build_glm` walks the door in one pass, from what the model decides down to builders.adopt_model; the helpers above
+it are its steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,16 +28,20 @@ from torch import nn
 from transformers import Glm4vMoeForConditionalGeneration
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ds_compat._common import key_error
+from ds_compat._common import key_error, render_fields
+from ds_compat.config import Translation
 from ds_compat.ds_keys import EXTENSION_KEY
+from ds_compat.engine_model import EngineModel, context_parallel_keys, reuse_sharded, sharded_before
+from ds_compat.script_weights import take_weights
 from ds_compat.sections import AutoEP
-from ds_compat.zero.partition_parameters import gather_full, is_partitioned
-from glm45v_fsdp.checkpoint.layout import model_tensors
+from glm45v_fsdp.builders import adopt_model
 from glm45v_fsdp.config import Config, FsdpPlanConfig
 from glm45v_fsdp.errors import UserError
-from glm45v_fsdp.lora.peft_model import PeftAdapters, peft_base_model
+from glm45v_fsdp.log import get_logger
+from glm45v_fsdp.lora.peft_model import PeftAdapters, keep_peft_names, peft_base_model, take_adapters
 from glm45v_fsdp.model.hf_forward import Glm4vMoeForScripts
-from glm45v_fsdp.plans import GivenWeights
+from glm45v_fsdp.plans import moe_layer_names
+from glm45v_fsdp.runtime import DeviceLayer, ParallelMeshes, build_parallel_dims
 
 MODEL_TYPE = "glm4v_moe"
 PRESET_NAME = "glm4v_moe"  # expert_parallel.preset_model for GLM-4.5V (DeepSpeed 0.19 has no preset for it)
@@ -213,42 +218,86 @@ def check_autoep_section(autoep: AutoEP, model: nn.Module, moe_layers: list[str]
             )
 
 
-def take_weights(
+def build_glm(
     model: nn.Module,
-    pending: dict[str, Callable[[], torch.Tensor]],
+    core: nn.Module,
+    translation: Translation,
+    alst: bool,
+    device_layer: DeviceLayer,
     device: torch.device,
-    broadcast: bool,
-    adapters: PeftAdapters | None = None,
-) -> GivenWeights:
-    """The script's weights, held by reference (no copy), and the model moved to the meta device in fp32 (FSDP2's
-    master weights; requires_grad kept). `pending`: parameters whose values the module does not hold (zero.Init
-    partitions, already meta in the module), each gathered when the weights plan copies it. `broadcast`: each tensor
-    is rank 0's (as DeepSpeed broadcasts the model at initialize), so every rank starts from the same weights.
-    `adapters`: a PEFT model's adapters, each in our layout under our name."""
-    tensors, _ = model_tensors(model)
-    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
-    held = {name: tensor.detach() for name, tensor in tensors.items() if name not in pending}
-    source = "the model passed to deepspeed.initialize" + (
-        f" ({len(pending)} zero.Init partition(s) gathered one at a time)" if pending else ""
+) -> EngineModel:
+    """GLM-4.5V (`core`), bare or inside a PEFT LoRA model (`model`), down its door in one pass: what the model
+    decides (attention, transformers' checkpointing, the PEFT adapters) added to the translation, checked against
+    the ds_config, the FSDP units the script needs, then rebuilt in place on the plan registry (builders.adopt_model)
+    with the script's weights; an earlier engine's model keeps its units. Nothing is left to do here once the plans
+    ran: the engine marks the model sharded and builds the step."""
+    log = get_logger()
+    world_size = dist.get_world_size()
+    split = next(((key, size) for key, size in context_parallel_keys(translation) if size > 1), None)
+    old_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    from_model: dict[str, Any] = {}
+    peft = None
+    fresh = not sharded_before(model)
+    if fresh:
+        check_autoep_section(translation.expert_parallel, core, moe_layer_names(core.config))
+        from_model = model_fields(core)
+        if core is not model:
+            peft = take_adapters(model)  # the LoRA layers unwrapped: core is transformers' model again
+            from_model |= lora_fields(peft)
+            old_names = {key: peft.names.ours(name) for key, name in old_names.items()}
+    config = translation.apply(Config(), from_model)
+    check_router_features(config, core, alst)
+    dims = build_parallel_dims(config.parallel, world_size)
+    built = EngineModel(model, core, True, config, dims, ParallelMeshes(dims, device_layer.type), old_names)
+    own_units: tuple[str, ...] = ()
+    config.parallel.fsdp_plan = output_layer_in_root(core, config.parallel.fsdp_plan)
+    if fresh:
+        own_units = directly_called(model, core)
+        config.parallel.fsdp_plan = with_units(config.parallel.fsdp_plan, own_units)
+    replaced = getattr(vars(core).get("forward"), "__qualname__", "a callable")
+    if forward_replaced(core) and split is not None and not alst:
+        raise UserError(
+            f"DeepSpeed config key '{split[0]}' = {split[1]} with a GLM-4.5V whose forward was replaced on the "
+            f"instance ({replaced}, e.g. TRL's fused LM head): that forward computes the loss itself from the "
+            "backbone's output, which under context parallelism is this rank's slice of the sequence, against the "
+            "whole sequence's labels. Use parallelism_config (ParallelismConfig(sp_backend='deepspeed', "
+            "sp_size=N)), whose loader adapter hands each rank its slice of the targets, or remove the key."
+        )
+    if forward_replaced(core) and fresh:
+        log.info(
+            "ds_compat: the model's forward was replaced on the instance (%s): it computes its own loss, so the "
+            "chunk_loss plan does not run and lm_head stays in the root FSDP unit (its weight is read without "
+            "calling lm_head)",
+            replaced,
+        )
+    if reuse_sharded(built):
+        return built
+    log.info(
+        "ds_compat: GLM-4.5V recognised (%s): built through the plan registry as our trainer builds it; from the "
+        "model: %s",
+        type(model).__name__,
+        ", ".join(render_fields(from_model)),
     )
-    model.to(device="meta", dtype=torch.float32)
-
-    def rank0(tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.to(device)
-        if broadcast:
-            dist.broadcast(tensor, src=0)
-        return tensor
-
-    getters = {name: functools.partial(rank0, tensor) for name, tensor in held.items()}
-    if adapters is not None:
-        for name, param in adapters.parameters.items():
-            shape = param.ds_shape if is_partitioned(param) else param.shape
-            shapes[name] = tuple(adapters.our_value(name, torch.empty(shape, device="meta")).shape)
-            getters[name] = functools.partial(_adapter_value, adapters, name, param, rank0)
-        source += f" with its {adapters.describe()}"
-    return GivenWeights(shapes, {**getters, **pending}, source)
-
-
-def _adapter_value(adapters: PeftAdapters, name: str, param: nn.Parameter, rank0: Callable) -> torch.Tensor:
-    full = gather_full(param) if is_partitioned(param) else param.detach()
-    return rank0(adapters.our_value(name, full))
+    weights = take_weights(core, device, broadcast=world_size > 1, adapters=peft)
+    if own_units:
+        log.info(
+            "ds_compat: the script registered a forward pre-hook on the model, which may call its submodules "
+            "before the forward (ms-swift's template embeds the tokens and runs the vision tower there): %s each "
+            "an FSDP unit of its own, gathered when called, the root initialised before the first call",
+            ", ".join(own_units),
+        )
+    if peft is not None:
+        keep_peft_names(model, peft.names)
+        log.info(
+            "ds_compat: the lora plan builds the %s; the %s keeps PEFT's parameter names in its state dicts",
+            peft.describe(),
+            type(model).__name__,
+        )
+    if config.features.chunk_loss.mode != "off" and not forward_replaced(core):
+        log.info(
+            "ds_compat: the loss is chunked (%s): the model's output holds .loss and no logits",
+            config.features.chunk_loss.mode,
+        )
+    spec = peft.spec if peft is not None else None
+    adopt_model(core, config, dims, built.meshes, device_layer, device, weights, spec, own_units)
+    return built

@@ -28,7 +28,7 @@ from glm45v_fsdp.lora.apply import AdapterSpec
 from glm45v_fsdp.model import build_meta_model, describe_model, load_hf_config
 from glm45v_fsdp.model.hf_forward import Glm4vMoeForScripts
 from glm45v_fsdp.module_patterns import PlanMatch
-from glm45v_fsdp.plans import GivenWeights, PlanContext, apply_plans
+from glm45v_fsdp.plans import MODULE_PLANS, GivenWeights, PlanContext, apply_plans
 from glm45v_fsdp.runtime import (
     DeviceLayer,
     DistEnv,
@@ -126,6 +126,13 @@ def adopt_model(
     model.applied_plans = {name: sum(len(match.names) for match in matches) for name, matches in matched.items()}
     get_logger().info(describe_model(model, hf_config))
     return matched
+
+
+def adopt_module(model: nn.Module, context: PlanContext) -> dict[str, list[PlanMatch]]:
+    """Any other module a script built, sharded in place through the module plans (plans.MODULE_PLANS): FSDP2 with
+    the units of context.config's fsdp plan, then context.weights, the values of the parameters it left on the meta
+    device. Returns {plan name: matches}."""
+    return apply_plans(model, context, MODULE_PLANS)
 
 
 @dataclass

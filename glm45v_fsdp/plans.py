@@ -9,6 +9,9 @@ feature (expert parallelism, Ring attention) is one new row here. Each plan says
 layout (`enabled`), applies itself (`apply`, returning what its patterns matched; a pattern that matches nothing is an
 error), says in one line what it does (`describe`) and how it changes preflight's memory figures (`estimate`).
 
+Any other module a script passes to the DeepSpeed engine door (`deepspeed.initialize`) is built from a second,
+FSDP-only list, `MODULE_PLANS` (fsdp -> weights), through the same `apply_plans`: there is one way to build a model.
+
 `moe` comes first because it gives the model its structure (our MoE block in place of transformers'), so every later
 plan's patterns see the modules that will run; `weights` comes last: the sharded meta model is materialised on the
 device and, for training.load of HF or weights-only DCP files, loaded.
@@ -22,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMoE
 
 from glm45v_fsdp.checkpoint.base_reference import holds_trainable_only, read_base
@@ -606,6 +611,80 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
             module._buffers[name] = buffer.to(device)
 
 
+class ModuleFsdpPlan(Plan):
+    """FSDP2 for any module a script built (the DeepSpeed engine door's generic path): its tensors on the device, rank
+    0's values on every rank (as DeepSpeed broadcasts the model at initialize), then `fully_shard` each module that
+    parallel.fsdp_plan.apply_modules selects (the door fills it from the module's ModuleLists), then the root."""
+
+    name, key = "fsdp", "parallel.fsdp_plan.apply_modules"
+    logs_itself = True
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return True
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        assert not ctx.dry, "the module plans build a script's module; preflight dry-runs GLM-4.5V's plans"
+        plan = ctx.config.parallel.fsdp_plan
+        host = _module_host(ctx)
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if not tensor.is_meta:  # a meta one's value comes with ctx.weights, after sharding
+                    tensor.data = tensor.data.to(host)
+                    if ctx.dims.world_size > 1:
+                        dist.broadcast(tensor.data, src=0)
+        applied = apply_fsdp(model, plan, ctx.meshes.dense_shard, pin_memory=False)
+        sharding = applied.sharding or "not sharded: the FSDP mesh has one rank"
+        get_logger().info(format_matches(self.name, applied.matches, sharding))
+        return applied.matches
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        where = f"{dims.fsdp_size} rank(s)"
+        return f"rank 0's tensors on every rank; fully_shard each matched module, then the root, over {where}"
+
+
+class ModuleWeightsPlan(Plan):
+    """The values a script's module does not hold (ctx.weights: parameters it left on the meta device, the DeepSpeed
+    door's zero.Init partitions) into their FSDP2 shards, one full tensor at a time; the others keep their values."""
+
+    name, key = "weights", "the module's own tensors"
+
+    def enabled(self, config: Config, dims: ParallelDims, hf_config: object) -> bool:
+        return True
+
+    def apply(self, model: nn.Module, ctx: PlanContext) -> list[PlanMatch]:
+        if ctx.weights is None:
+            return []
+        host = _module_host(ctx)
+        kept = {
+            name: (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().clone()
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+            if not tensor.is_meta
+        }
+        model.to_empty(device=host)
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name in kept:
+                    (tensor.to_local() if isinstance(tensor, DTensor) else tensor).copy_(kept[name])
+            for name, param in model.named_parameters():
+                if name not in ctx.weights.tensors:
+                    continue
+                full = ctx.weights.tensors[name]().to(device=host, dtype=param.dtype)
+                if isinstance(param, DTensor):
+                    param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
+                else:
+                    param.copy_(full)
+        get_logger().info("weights: %s put in their FSDP2 shards", ctx.weights.source)
+        return []
+
+    def describe(self, config: Config, dims: ParallelDims, hf_config: object) -> str:
+        return "the values the module left on the meta device, into their shards"
+
+
+def _module_host(ctx: PlanContext) -> torch.device:
+    """Where a script's module lives: FSDP2's CPU offload wants the sharded parameters on the host."""
+    return torch.device("cpu") if ctx.config.parallel.fsdp_plan.cpu_offload else ctx.torch_device
+
+
 PLANS: tuple[Plan, ...] = (
     MoEPlan(),
     OpsPlan(),
@@ -621,15 +700,22 @@ PLANS: tuple[Plan, ...] = (
 )
 
 
-def enabled_plans(config: Config, dims: ParallelDims, hf_config: object) -> Iterator[Plan]:
-    return (plan for plan in PLANS if plan.enabled(config, dims, hf_config))
+# Any other module a script passes to the DeepSpeed engine door: FSDP2 and the values it left on the meta device.
+MODULE_PLANS: tuple[Plan, ...] = (ModuleFsdpPlan(), ModuleWeightsPlan())
 
 
-def apply_plans(model: nn.Module, ctx: PlanContext) -> dict[str, list[PlanMatch]]:
-    """Apply every enabled plan in order and log what each matched; returns {plan name: matches}."""
+def enabled_plans(
+    config: Config, dims: ParallelDims, hf_config: object, plans: tuple[Plan, ...] = PLANS
+) -> Iterator[Plan]:
+    return (plan for plan in plans if plan.enabled(config, dims, hf_config))
+
+
+def apply_plans(model: nn.Module, ctx: PlanContext, plans: tuple[Plan, ...] = PLANS) -> dict[str, list[PlanMatch]]:
+    """Apply every enabled plan of `plans` (GLM-4.5V's PLANS, or MODULE_PLANS) in order and log what each matched;
+    returns {plan name: matches}."""
     log = get_logger()
     matched: dict[str, list[PlanMatch]] = {}
-    for plan in enabled_plans(ctx.config, ctx.dims, ctx.hf_config):
+    for plan in enabled_plans(ctx.config, ctx.dims, ctx.hf_config, plans):
         matched[plan.name] = plan.apply(model, ctx)
         if matched[plan.name] and not plan.logs_itself:
             log.info(format_matches(plan.name, matched[plan.name]))

@@ -34,7 +34,7 @@ from conftest import free_port, python  # noqa: E402
 
 import ds_compat  # noqa: E402
 from ds_compat import comm  # noqa: E402
-from ds_compat.engine import auto_fsdp_units  # noqa: E402
+from ds_compat.engine_build import auto_fsdp_units  # noqa: E402
 from glm45v_fsdp.errors import UserError  # noqa: E402
 from glm45v_fsdp.log import get_logger  # noqa: E402
 
@@ -438,6 +438,9 @@ def test_the_generic_path_says_so_and_refuses_plan_keys(group):
         get_logger().removeHandler(handler)
     line = next(r.getMessage() for r in records if "is not a model this backend builds" in r.getMessage())
     assert line.startswith("ds_compat: Net is not a model") and "the chunked loss, recompute" in line
+    # built through the plan registry's module plans (plans.MODULE_PLANS), the fsdp plan saying what it did
+    fsdp = next(r.getMessage() for r in records if r.getMessage().startswith("[plan fsdp]"))
+    assert fsdp.startswith("[plan fsdp] 1 pattern(s); not sharded: the FSDP mesh has one rank") and "blocks.{*}" in fsdp
     extension = {"train_batch_size": 1, "glm45v_fsdp": {"features": {"chunk_loss": {"mode": "dynamic"}}}}
     with pytest.raises(UserError, match=r"'glm45v_fsdp.features.chunk_loss.mode' = 'dynamic' switches a plan"):
         ds_compat.initialize(model=Net(), config=extension)
