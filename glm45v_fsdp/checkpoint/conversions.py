@@ -30,6 +30,7 @@ from glm45v_fsdp.checkpoint.deepspeed_write import FullState, write_deepspeed
 from glm45v_fsdp.checkpoint.hf import (
     DCP_METADATA,
     INDEX_FILE,
+    LoadReport,
     checkpoint_files,
     detect_format,
     load_hf_weights,
@@ -176,11 +177,14 @@ def single_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _fresh_output(out: Path, what: str) -> None:
+def _fresh_output(path: str, what: str) -> Path:
+    """The command's output path, which must not exist yet or be an empty directory."""
+    out = Path(path).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(
             f"{what} = '{out}' already exists and is not an empty directory. Choose a new path, or remove it first."
         )
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -243,8 +247,7 @@ def inspect(args: argparse.Namespace) -> int:
 
 def dcp_to_hf(args: argparse.Namespace) -> int:
     checkpoint = pick_checkpoint(Path(args.checkpoint).expanduser(), "dcp-to-hf CKPT")
-    out = Path(args.out).expanduser()
-    _fresh_output(out, "dcp-to-hf OUT")
+    out = _fresh_output(args.out, "dcp-to-hf OUT")
     config, origin = resolve_config(args.config, checkpoint)
     with single_process_group():
         model, hf_config = build_model(config)
@@ -285,9 +288,16 @@ def _deepspeed_model(args: argparse.Namespace, what: str) -> tuple[nn.Module, ob
     return model, hf_config, config, origin, state.layout.tag_dir
 
 
+def _hf_model(source: Path, config_path: str | None) -> tuple[nn.Module, object, Config, str, LoadReport]:
+    """The model built from --config (else the HF directory's own config) with the directory's weights (strict)."""
+    config, origin = resolve_config(config_path, source)
+    model, hf_config = build_model(config)
+    report = load_hf_weights(model, source, strict=True)
+    return model, hf_config, config, origin, report
+
+
 def ds_to_hf(args: argparse.Namespace) -> int:
-    out = Path(args.out).expanduser()
-    _fresh_output(out, "ds-to-hf OUT")
+    out = _fresh_output(args.out, "ds-to-hf OUT")
     with single_process_group():
         model, hf_config, config, origin, tag_dir = _deepspeed_model(args, "ds-to-hf DS_DIR")
         _export(model, out, hf_config, config, args.dtype)
@@ -296,8 +306,7 @@ def ds_to_hf(args: argparse.Namespace) -> int:
 
 
 def ds_to_dcp(args: argparse.Namespace) -> int:
-    out = Path(args.out).expanduser()
-    _fresh_output(out, "ds-to-dcp OUT")
+    out = _fresh_output(args.out, "ds-to-dcp OUT")
     with single_process_group():
         model, hf_config, _, origin, tag_dir = _deepspeed_model(args, "ds-to-dcp DS_DIR")
         dcp.save({MODEL_KEY: model.state_dict()}, checkpoint_id=str(out))
@@ -341,8 +350,7 @@ def dcp_to_ds(args: argparse.Namespace) -> int:
         checkpoint = tag
     else:  # a trainer checkpoint, or a training.save directory (its newest complete one)
         checkpoint = pick_checkpoint(path, "dcp-to-ds CKPT")
-    out = Path(args.out).expanduser()
-    _fresh_output(out, "dcp-to-ds OUT")
+    out = _fresh_output(args.out, "dcp-to-ds OUT")
     full = read_whole_dcp(checkpoint)
     optim = full.get(OPTIM_KEY)
     if not optim or not optim.get("state"):
@@ -371,12 +379,9 @@ def lora_merge(args: argparse.Namespace) -> int:
     base, adapter = Path(args.base).expanduser(), Path(args.adapter).expanduser()
     if detect_format(base, "lora-merge BASE") != "hf":
         raise UserError(f"lora-merge BASE = '{base}' is not an HF model directory (config.json + safetensors).")
-    out = Path(args.out).expanduser()
-    _fresh_output(out, "lora-merge OUT")
-    config, origin = resolve_config(args.config, base)
+    out = _fresh_output(args.out, "lora-merge OUT")
     with single_process_group():
-        model, hf_config = build_model(config)
-        load_hf_weights(model, base, strict=True)
+        model, hf_config, config, origin, _ = _hf_model(base, args.config)
         deltas = adapter_deltas(adapter, model)
         merge_into(model, deltas)
         _export(model, out, hf_config, config, args.dtype)
@@ -393,12 +398,9 @@ def hf_to_dcp(args: argparse.Namespace) -> int:
     source = Path(args.hf).expanduser()
     if detect_format(source, "hf-to-dcp HF") != "hf":
         raise UserError(f"hf-to-dcp HF = '{source}' is a DCP checkpoint, not an HF directory. Use dcp-to-hf for it.")
-    out = Path(args.out).expanduser()
-    _fresh_output(out, "hf-to-dcp OUT")
-    config, origin = resolve_config(args.config, source)
+    out = _fresh_output(args.out, "hf-to-dcp OUT")
     with single_process_group():
-        model, hf_config = build_model(config)
-        report = load_hf_weights(model, source, strict=True)
+        model, hf_config, _, origin, report = _hf_model(source, args.config)
         dcp.save({MODEL_KEY: model.state_dict()}, checkpoint_id=str(out))
         hf_config.save_pretrained(out)  # so that dcp-to-hf rebuilds the same model without --config
     print(
@@ -421,8 +423,7 @@ def bin_to_hf(args: argparse.Namespace) -> int:
             f"bin-to-hf HF = '{source}' holds no pytorch_model*.bin files. Point it at a Hugging Face directory with "
             f"PyTorch-pickle weights; a directory with *.safetensors needs no conversion."
         )
-    out = Path(args.out).expanduser()
-    _fresh_output(out, "bin-to-hf OUT")
+    out = _fresh_output(args.out, "bin-to-hf OUT")
     shards: list[tuple[str, dict[str, torch.Tensor]]] = []
     for number, path in enumerate(bins, start=1):
         state = load_pt(path)

@@ -41,15 +41,21 @@ def _fit(width: int, height: int, max_pixels: int) -> tuple[int, int]:
     return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
 
 
-def load_image(path: Path, max_pixels: int, max_decode_pixels: int) -> Image.Image:
-    """The RGB image of `path`, at most `max_pixels` pixels; `BadImage` when the file is empty, not an image,
-    truncated or otherwise undecodable, or larger than `max_decode_pixels` even at a reduced decoding scale."""
+def require_content(path: Path, bad: type[Exception], read_hint: str = "", empty_hint: str = "") -> None:
+    """`bad` when the media file `path` cannot be read or holds 0 bytes, before a decoder sees it; each hint ends
+    its message (what to do)."""
     try:
         size = path.stat().st_size
     except OSError as error:
-        raise BadImage(f"it cannot be read ({error.strerror})") from None
+        raise bad(f"it cannot be read ({error.strerror}){read_hint}") from None
     if size == 0:
-        raise BadImage("the file is empty (0 bytes)")
+        raise bad(f"the file is empty (0 bytes){empty_hint}")
+
+
+def load_image(path: Path, max_pixels: int, max_decode_pixels: int) -> Image.Image:
+    """The RGB image of `path`, at most `max_pixels` pixels; `BadImage` when the file is empty, not an image,
+    truncated or otherwise undecodable, or larger than `max_decode_pixels` even at a reduced decoding scale."""
+    require_content(path, BadImage)
     with _own_size_guard():
         try:
             with Image.open(path) as image:

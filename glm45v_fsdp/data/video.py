@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from glm45v_fsdp.data.images import BadImage, _fit, load_image
+from glm45v_fsdp.data.images import BadImage, _fit, load_image, require_content
 from glm45v_fsdp.errors import UserError
 
 _IMAGE_SUFFIXES = (".bmp", ".gif", ".jpeg", ".jpg", ".png", ".tif", ".tiff", ".webp")
@@ -205,12 +205,7 @@ def _import_av() -> ModuleType:
 
 def _read_file(path: Path, fps: float | None, limits: _Limits) -> SampledVideo:
     av = _import_av()
-    try:
-        size = path.stat().st_size
-    except OSError as error:
-        raise BadVideo(f"it cannot be read ({error.strerror}). Check the path") from None
-    if size == 0:
-        raise BadVideo("the file is empty (0 bytes). Replace it, or remove the video from the record")
+    require_content(path, BadVideo, ". Check the path", ". Replace it, or remove the video from the record")
     try:
         with _open(av, path, limits) as container:
             rate, total = _probe(av, container, fps, limits)

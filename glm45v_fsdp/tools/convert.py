@@ -33,10 +33,18 @@ from glm45v_fsdp.errors import UserError
 PROG = "python -m glm45v_fsdp.tools.convert"
 
 
+def _add_model_options(sub: argparse.ArgumentParser, dtype: bool) -> None:
+    """--config (the model to build) and, for a command that writes HF files, --dtype."""
+    sub.add_argument(
+        "--config", help="training YAML whose model section describes the model (default: the checkpoint's own)"
+    )
+    if dtype:
+        sub.add_argument("--dtype", choices=("bf16", "fp32"), help="tensor dtype to write (default: as stored, fp32)")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description="Convert and inspect GLM-4.5V checkpoints (HF and DCP).")
     commands = parser.add_subparsers(dest="command", required=True)
-    config_help = "training YAML whose model section describes the model (default: the checkpoint's own)"
     sub = commands.add_parser("inspect", help="keys, shapes, dtypes, expert layout, prefixes; --config: fit check")
     sub.add_argument("path", help="an HF model directory, a DCP checkpoint, a training.save or a DeepSpeed directory")
     sub.add_argument("--config", help="training YAML to check the checkpoint against (exit 1 if it does not fit)")
@@ -44,13 +52,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = commands.add_parser("dcp-to-hf", help="DCP checkpoint -> HF safetensors (per-expert layout)")
     sub.add_argument("checkpoint", help="a DCP checkpoint or a training.save directory (its newest complete one)")
     sub.add_argument("out", help="new HF model directory")
-    sub.add_argument("--config", help=config_help)
-    sub.add_argument("--dtype", choices=("bf16", "fp32"), help="tensor dtype to write (default: as stored, fp32)")
+    _add_model_options(sub, dtype=True)
     sub.set_defaults(run="dcp_to_hf")
     sub = commands.add_parser("hf-to-dcp", help="HF safetensors (either expert layout) -> DCP checkpoint")
     sub.add_argument("hf", help="an HF model directory")
     sub.add_argument("out", help="new DCP checkpoint directory")
-    sub.add_argument("--config", help=config_help)
+    _add_model_options(sub, dtype=False)
     sub.set_defaults(run="hf_to_dcp")
     sub = commands.add_parser("bin-to-hf", help="HF directory with pytorch_model*.bin -> safetensors (weights-only)")
     sub.add_argument("hf", help="an HF model directory whose weights are pytorch_model*.bin files")
@@ -77,8 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.add_argument("base", help="the base's HF model directory")
     sub.add_argument("adapter", help="a PEFT LoRA adapter directory (a checkpoint's adapter/, save_pretrained's)")
     sub.add_argument("out", help="new HF model directory")
-    sub.add_argument("--config", help=config_help)
-    sub.add_argument("--dtype", choices=("bf16", "fp32"), help="tensor dtype to write (default: as stored, fp32)")
+    _add_model_options(sub, dtype=True)
     sub.set_defaults(run="lora_merge")
     sub = commands.add_parser("verify", help="check a checkpoint's files against its checksums (offline)")
     sub.add_argument("path", help="a checkpoint (DCP step, HF export, DeepSpeed tag) or a directory holding several")

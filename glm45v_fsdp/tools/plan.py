@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from glm45v_fsdp.errors import EXIT_USER_ERROR, UserError
+from glm45v_fsdp.tools.preflight import add_storage_arguments, check_storage_arguments
 
 DEFAULT_CALIBRATION = Path("output/plan/cpu_calibration.json")
 PRESET_NAMES = ("910b", "910b3", "a3", "h100", "h200", "cpu")
@@ -44,15 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--video-frames", type=int, default=None, help="sampled frames per video")
     parser.add_argument("--top", type=int, default=10, help="layouts to print")
-    parser.add_argument(
-        "--fs-gbps",
-        type=float,
-        default=None,
-        help="checkpoint file system, aggregate GB/s (default 20: a mid-size Lustre / GPFS; docs/planning.md)",
-    )
-    parser.add_argument(
-        "--fs-node-gbps", type=float, default=None, help="one node's link to that file system, GB/s (default 2.5)"
-    )
+    add_storage_arguments(parser)
     parser.add_argument("--unit-mib", default="default,512", help="FSDP unit sizes to try (default = the device's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--explain", default=None, metavar="LAYOUT", help="every term of one layout (a printed name)")
@@ -76,10 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a positive integer.")
     if args.videos_per_sample is not None and args.videos_per_sample < 0:
         raise UserError(f"--videos-per-sample = {args.videos_per_sample} is invalid: pass 0 or more.")
-    for flag in ("fs_gbps", "fs_node_gbps"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a bandwidth in GB/s above 0.")
+    check_storage_arguments(args)
     other = next((flag for flag in ("explain", "calibrate", "validate") if getattr(args, flag)), None)
     if args.deepspeed and other:
         raise UserError(f"--deepspeed and --{other} ask for different reports: pass one of them.")

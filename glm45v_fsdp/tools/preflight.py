@@ -23,6 +23,27 @@ import sys
 from glm45v_fsdp.errors import EXIT_USER_ERROR, UserError
 
 
+def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
+    """--fs-gbps / --fs-node-gbps, the checkpoint storage (planner/checkpoint_time.storage); tools.plan has them too."""
+    parser.add_argument(
+        "--fs-gbps",
+        type=float,
+        default=None,
+        help="checkpoint file system, aggregate GB/s (default 20: a mid-size Lustre / GPFS; docs/planning.md)",
+    )
+    parser.add_argument(
+        "--fs-node-gbps", type=float, default=None, help="one node's link to that file system, GB/s (default 2.5)"
+    )
+
+
+def check_storage_arguments(args: argparse.Namespace) -> None:
+    """A UserError naming the flag when --fs-gbps or --fs-node-gbps is not above 0."""
+    for flag in ("fs_gbps", "fs_node_gbps"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a bandwidth in GB/s above 0.")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m glm45v_fsdp.tools.preflight",
@@ -67,15 +88,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="DS_CONFIG",
         help="translate this ds_config onto the config for --world-size ranks, as `train --deepspeed` does",
     )
-    parser.add_argument(
-        "--fs-gbps",
-        type=float,
-        default=None,
-        help="checkpoint file system, aggregate GB/s (default 20: a mid-size Lustre / GPFS; docs/planning.md)",
-    )
-    parser.add_argument(
-        "--fs-node-gbps", type=float, default=None, help="one node's link to that file system, GB/s (default 2.5)"
-    )
+    add_storage_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides applied after the YAML file")
     args = parser.parse_args(argv)
@@ -94,10 +107,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UserError("--deepspeed needs --world-size: the ds_config's batch and layout hold for one world size.")
     if args.device_memory_gib <= 0:
         raise UserError(f"--device-memory-gib = {args.device_memory_gib} is invalid: pass a positive number.")
-    for flag in ("fs_gbps", "fs_node_gbps"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise UserError(f"--{flag.replace('_', '-')} = {value} is invalid: pass a bandwidth in GB/s above 0.")
+    check_storage_arguments(args)
     return args
 
 
