@@ -30,6 +30,7 @@ from glm45v_fsdp.checkpoint.dcp import (
     storage_failure,
 )
 from glm45v_fsdp.checkpoint.deepspeed import load_into, read_deepspeed, tag_dir_of
+from glm45v_fsdp.checkpoint.digest_on_write import WrittenDigests
 from glm45v_fsdp.checkpoint.integrity import check_manifest, merge_parts, write_part
 from glm45v_fsdp.checkpoint.safe_load import load_pt, unsafe_globals
 from glm45v_fsdp.checkpoint.state import ENGINE_STATE_FILE
@@ -122,16 +123,17 @@ class CheckpointAPI:
         engine_state = self._plain_engine_state(client_state or {})
         self._check_tag(tag)
         path = save_dir / tag
+        written = WrittenDigests()  # the checksums (checkpoint/integrity.py), taken as the files are written
         try:
             with self._sharded_state_dicts():
-                save_model_and_optimizer(path, self.module, self.optimizer)
-            # the checksums (checkpoint/integrity.py): each rank's shards, rank 0's metadata and engine state,
-            # merged into the manifest before `latest` names the tag
+                save_model_and_optimizer(path, self.module, self.optimizer, written)
+            # each rank's shards, rank 0's metadata and engine state, merged into the manifest before `latest` names
+            # the tag
             mine = list(path.glob(f"__{self.global_rank}_*.distcp"))
             if self.global_rank == 0:
-                (path / ENGINE_STATE_FILE).write_bytes(engine_state)
+                written.write_file(path / ENGINE_STATE_FILE, engine_state)
                 mine += [path / METADATA_FILE, path / ENGINE_STATE_FILE]
-            write_part(path, self.global_rank, mine)
+            write_part(path, self.global_rank, mine, written)
             if self.global_rank == 0:
                 merge_parts(path, self.world_size)
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException

@@ -403,10 +403,13 @@ def _model_state(model: nn.Module, trainable_only: bool) -> dict[str, Any]:
     return {key: value for key, value in state.items() if key in trainable}
 
 
-def save_model_and_optimizer(checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def save_model_and_optimizer(
+    checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, written: WrittenDigests
+) -> None:
     """DCP-save the model (and the optimizer, when given) into `checkpoint`, without the trainer's step layout
-    (the ds_compat engine's checkpoints; collective)."""
-    dcp.save(model_and_optimizer_state(model, optimizer), checkpoint_id=checkpoint)
+    (the ds_compat engine's checkpoints; collective); each file's checksum goes to `written` as it is written."""
+    state = model_and_optimizer_state(model, optimizer)
+    dcp.save(state, checkpoint_id=checkpoint, storage_writer=dcp_writer(checkpoint, written))
 
 
 @dataclass
