@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ds_compat import ds_keys, sections
+from ds_compat import autoep_env, ds_keys, sections
 from ds_compat._common import (
     Report,
     as_int,
@@ -439,7 +439,8 @@ def translate(source: dict | str | os.PathLike, world_size: int, base: Config | 
         )
     steps_per_print = sections.map_logging(ds, report)
     sections.map_activation_checkpointing(ds, report)
-    sections.map_expert_parallel(ds, world_size, dp, stage, report)
+    ep_size = sections.map_expert_parallel(ds, world_size, dp, stage, report)
+    autoep_env.check(os.environ, ep_size, report)
     sections.map_unsupported_features(ds, report)
     map_extension(ds, report)
     return Translation(
