@@ -1,8 +1,9 @@
 """`deepspeed.git_version_info`: the build facts DeepSpeed's code and its test harness read.
 
 DeepSpeed's setup.py writes these when it builds its C++/CUDA ops. This backend builds none: every op is reported
-not installed and not compatible (its optimizers are PyTorch's, ds_compat/ops), and `torch_info` holds the running
-torch's versions, so that checks such as DeepSpeed's bf16 version gate compare against the torch that runs.
+not installed, and compatible where ds_compat runs it in PyTorch (its optimizers, ds_compat/ops/op_builder.py).
+`torch_info` holds the running torch's versions, so that checks such as DeepSpeed's bf16 version gate compare
+against the torch that runs.
 """
 
 from __future__ import annotations
@@ -13,21 +14,11 @@ from ds_compat import __git_branch__ as git_branch
 from ds_compat import __git_hash__ as git_hash
 from ds_compat import __version__ as version
 from ds_compat.comm import device_layer
+from ds_compat.ops import op_builder
+from ds_compat.ops.op_builder import ALL_OPS
 
-# DeepSpeed 0.19.8's op names (deepspeed/ops/op_builder/all_ops.py on a CPU build)
-_OPS = (
-    "async_io",
-    "cpu_adagrad",
-    "cpu_adam",
-    "cpu_lion",
-    "deepspeed_ccl_comm",
-    "deepspeed_not_implemented",
-    "deepspeed_shm_comm",
-    "fused_adam",
-    "pin_memory",
-)
-installed_ops: dict[str, bool] = dict.fromkeys(_OPS, False)
-compatible_ops: dict[str, bool] = dict.fromkeys(_OPS, False)
+installed_ops: dict[str, bool] = dict.fromkeys(ALL_OPS, False)  # nothing is built
+compatible_ops: dict[str, bool] = op_builder.compatible_ops()  # what ds_compat runs in PyTorch
 accelerator_name = device_layer().type
 
 

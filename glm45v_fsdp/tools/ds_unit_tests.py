@@ -4,10 +4,10 @@ deepspeed` resolving to ds_compat and on the real DeepSpeed, side by side.
 DEEPSPEED_CHECKOUT is a DeepSpeed repository (its tests are not in the PyPI package). Its `tests/` folder is copied to
 a scratch folder, so that nothing is written into the checkout and the checkout's own `deepspeed/` package (which
 DeepSpeed's tests/conftest.py puts on sys.path) stays out of both runs. Each test file of the list (TEST_FILES, the
-DeepSpeed tests of the modules ds_compat provides, or --tests) runs in its own pytest process per backend: with
-`python -m ds_compat.run -m pytest` (ds_compat) and with plain `python -m pytest` (the installed DeepSpeed), both
-with DS_ACCELERATOR=cpu unless it is set. The output is one line per test with both outcomes, the totals, and the
-share of the tests that pass on DeepSpeed that also pass on ds_compat.
+DeepSpeed tests of the modules ds_compat provides, or --tests) runs in its own pytest process per backend: ds_compat
+through `python -m ds_compat.run -m pytest`, with a `deepspeed` command that is ds-fsdp first on PATH; the installed
+DeepSpeed through plain `python -m pytest`; both with DS_ACCELERATOR=cpu unless it is set. The output is one line per
+test with both outcomes, the totals, and the share of the tests that pass on DeepSpeed that also pass on ds_compat.
 
 Exit status: 0 when that share reaches --require (default 0: report only), 1 below it, 2 on unusable input.
 """
@@ -75,10 +75,24 @@ def scratch_tests(checkout: Path, scratch: Path) -> Path:
     return copy
 
 
-def backend_env(backend: str, environ: dict[str, str], worker_timeout: int) -> dict[str, str]:
-    """The environment of one backend's pytest: our repository importable, the shim on PYTHONPATH for ds_compat
-    only (`python -m ds_compat.run` puts it there), DeepSpeed's CPU accelerator, its hang timeout."""
+def launcher_bin(scratch: Path) -> Path:
+    """A folder holding a `deepspeed` command that is ds-fsdp (`python -m ds_compat.launcher`), for the tests that
+    start the launcher."""
+    folder = scratch / "bin"
+    folder.mkdir()
+    command = folder / "deepspeed"
+    command.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ds_compat.launcher "$@"\n')
+    command.chmod(0o755)
+    return folder
+
+
+def backend_env(backend: str, environ: dict[str, str], worker_timeout: int, bin_dir: Path) -> dict[str, str]:
+    """The environment of one backend's pytest: our repository importable, the shim on PYTHONPATH and the
+    `deepspeed` command being ds-fsdp for ds_compat only (`python -m ds_compat.run` puts the shim there),
+    DeepSpeed's CPU accelerator, its hang timeout."""
     env = dict(environ)
+    if backend == "ds_compat":
+        env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
     entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
     entries = [entry for entry in entries if Path(entry).resolve() != alias.SHIM_DIR.resolve()]
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *entries])
@@ -181,13 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="ds-unit-tests-") as scratch:
             tests = scratch_tests(args.checkout.resolve(), Path(scratch))
+            bin_dir = launcher_bin(Path(scratch))
             missing = [name for name in args.tests if not (tests / name.split("::")[0]).exists()]
             if missing:
                 raise UserError(f"--tests: not in {args.checkout / 'tests'}: {', '.join(missing)}.")
             results: dict[str, dict[str, str]] = {backend: {} for backend in backends}
             for test_file in args.tests:
                 for backend in backends:
-                    env = backend_env(backend, dict(os.environ), args.worker_timeout)
+                    env = backend_env(backend, dict(os.environ), args.worker_timeout, bin_dir)
                     run = run_file(backend, test_file, tests, env, args)
                     results[backend].update(run.outcomes)
                     counts = {o: sum(v == o for v in run.outcomes.values()) for o in OUTCOMES[:-1]}

@@ -1,0 +1,140 @@
+"""What DeepSpeed's own unit tests (run by glm45v_fsdp/tools/ds_unit_tests.py) found missing or wrong in ds_compat,
+each checked here against the installed DeepSpeed 0.19.8: the modules its harness imports (git_version_info,
+import-only pipe / moe), the CPU accelerator's seeding and rng state, groups._get_expert_parallel_ranks,
+zero_to_fp32.get_optim_files; and the tool itself on a two-test stand-in checkout."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ds_compat
+from ds_compat import accelerator as our_accelerator
+from ds_compat import git_version_info as our_version_info
+from ds_compat import zero_to_fp32 as our_zero_to_fp32
+from ds_compat.utils import groups as our_groups
+from glm45v_fsdp.errors import UserError
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed  # noqa: E402
+from deepspeed import git_version_info as ds_version_info  # noqa: E402
+from deepspeed.accelerator import get_accelerator as ds_get_accelerator  # noqa: E402
+from deepspeed.utils import groups as ds_groups  # noqa: E402
+from deepspeed.utils import zero_to_fp32 as ds_zero_to_fp32  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_git_version_info_has_deepspeeds_fields():
+    public = {name for name in dir(ds_version_info) if not name.startswith("_") and name != "os"}
+    assert public <= set(dir(our_version_info))
+    assert set(our_version_info.torch_info) == set(ds_version_info.torch_info)
+    assert our_version_info.torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
+    assert set(our_version_info.installed_ops) == set(ds_version_info.installed_ops)
+    assert not any(our_version_info.installed_ops.values())
+    compatible = {name for name, ok in our_version_info.compatible_ops.items() if ok}  # the optimizers, in PyTorch
+    assert compatible == {"cpu_adagrad", "cpu_adam", "cpu_lion", "fused_adam"}
+    assert all(deepspeed.ops.__compatible_ops__[name] for name in compatible)  # and DeepSpeed's are on this CPU
+    assert ds_compat.ops.__compatible_ops__ == our_version_info.compatible_ops
+    from ds_compat.ops.op_builder import FusedAdamBuilder
+
+    with pytest.raises(UserError, match=r"FusedAdamBuilder.load\(\)` is not provided.*use deepspeed.ops.adam.FusedAd"):
+        FusedAdamBuilder().load()
+    assert our_version_info.version == ds_compat.__version__
+    for name in ("__git_hash__", "__git_branch__", "__version_major__", "__version_minor__", "__version_patch__"):
+        assert hasattr(deepspeed, name) and hasattr(ds_compat, name)
+
+
+@pytest.mark.parametrize(
+    "module, name, instead",
+    [
+        ("ds_compat.pipe", "PipelineModule", "pipeline parallelism is not run here"),
+        ("ds_compat.pipe", "LayerSpec", "sharded by FSDP2"),
+        ("ds_compat.moe.layer", "MoE", "the ds_config's `expert_parallel` section"),
+    ],
+)
+def test_pipe_and_moe_load_and_refuse_on_use(module, name, instead):
+    refused_class = getattr(__import__(module, fromlist=[name]), name)
+    deepspeed_name = module.replace("ds_compat", "deepspeed")
+    with pytest.raises(UserError, match=f"`{deepspeed_name}.{name}` is not provided by the FSDP2 backend.*{instead}"):
+        refused_class(layers=[torch.nn.Linear(2, 2)], num_stages=2)
+
+
+def test_the_cpu_accelerator_seeds_and_restores_torchs_generator():
+    ours, theirs = our_accelerator.Accelerator(our_accelerator.device_layer()), ds_get_accelerator()
+    draws = []
+    for accelerator in (ours, theirs):
+        for seed in (accelerator.manual_seed, accelerator.manual_seed_all):
+            seed(1234)
+            state = accelerator.get_rng_state()
+            first = torch.rand(3)
+            accelerator.set_rng_state(state)
+            assert torch.equal(first, torch.rand(3))  # the state restores the draw
+            draws.append(first)
+    assert all(torch.equal(draws[0], draw) for draw in draws)  # each seeds torch's generator, as DeepSpeed's
+
+
+def test_expert_parallel_ranks_equal_deepspeeds():
+    layouts = [
+        (world, tp, ep, pp, data_first)
+        for world, tp, ep, pp, data_first in itertools.product((8, 16, 32), (1, 2), (1, 2, 4), (1, 2), (False, True))
+        if world % (tp * pp) == 0 and (world // (tp * pp)) % ep == 0
+    ]
+    assert len(layouts) > 40
+    for layout in layouts:
+        assert our_groups._get_expert_parallel_ranks(*layout) == ds_groups._get_expert_parallel_ranks(*layout), layout
+    for bad in ((12, 1, 8), (10, 4, 1)):
+        with pytest.raises(AssertionError, match="is not divisible by"):
+            ds_groups._get_expert_parallel_ranks(*bad)
+        with pytest.raises(AssertionError, match="is not divisible by"):
+            our_groups._get_expert_parallel_ranks(*bad)
+
+
+def test_checkpoint_files_in_deepspeeds_order(tmp_path):
+    for rank in (0, 1, 2, 10, 11, 100):
+        (tmp_path / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+        (tmp_path / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").touch()
+    assert our_zero_to_fp32.get_optim_files(tmp_path) == ds_zero_to_fp32.get_optim_files(tmp_path)
+    assert our_zero_to_fp32.get_model_state_files(tmp_path) == ds_zero_to_fp32.get_model_state_files(tmp_path)
+    assert our_zero_to_fp32.get_optim_files(tmp_path)[-1].endswith("rank_100_mp_rank_00_optim_states.pt")
+    with pytest.raises(FileNotFoundError):
+        our_zero_to_fp32.get_optim_files(tmp_path / "missing")
+
+
+STAND_IN_TEST = """
+import deepspeed
+
+
+def test_same_on_both():
+    assert deepspeed.__version__.startswith("0.19.8")
+
+
+def test_real_deepspeed_only():
+    assert deepspeed.__name__ == "deepspeed"
+"""
+
+
+def test_the_tool_runs_a_checkout_on_both_backends(tmp_path):
+    unit = tmp_path / "checkout" / "tests" / "unit"
+    unit.mkdir(parents=True)
+    (unit / "common.py").write_text("")
+    (unit / "test_stand_in.py").write_text(STAND_IN_TEST)
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-m", "glm45v_fsdp.tools.ds_unit_tests", str(tmp_path / "checkout")]
+    command += ["--tests", "unit/test_stand_in.py", "--json", str(out), "--require", "0.5"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "passed     passed     unit.test_stand_in::test_same_on_both" in done.stdout
+    assert "passed     failed     unit.test_stand_in::test_real_deepspeed_only" in done.stdout
+    assert "pass on ds_compat of those that pass on DeepSpeed: 1/2 = 50.0%" in done.stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["totals"]["ds_compat"]["failed"] == 1 and summary["share"] == 0.5
+    assert sorted(path.name for path in unit.iterdir()) == ["common.py", "test_stand_in.py"]  # checkout untouched
