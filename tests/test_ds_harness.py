@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import python
 
 import ds_compat
 from ds_compat import accelerator as our_accelerator
@@ -138,3 +139,12 @@ def test_the_tool_runs_a_checkout_on_both_backends(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert summary["totals"]["ds_compat"]["failed"] == 1 and summary["share"] == 0.5
     assert sorted(path.name for path in unit.iterdir()) == ["common.py", "test_stand_in.py"]  # checkout untouched
+
+
+def test_distributed_test_harness_workers_run_on_ds_compat():
+    """The hang DeepSpeed's DistributedTest met on ds_compat: its forkserver workers import the test module, and with
+    it deepspeed.git_version_info / pipe / moe; where they could not, each task was lost and the harness waited."""
+    done = python(["-m", "ds_compat.run", str(REPO / "tests" / "ds_pool_script.py")], timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    version = ".".join(torch.__version__.split(".")[:2])
+    assert json.loads(done.stdout.splitlines()[-1]) == [["ds_compat", 3.0, "cpu", "gloo", version, True]] * 2
