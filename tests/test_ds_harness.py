@@ -148,3 +148,93 @@ def test_distributed_test_harness_workers_run_on_ds_compat():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     version = ".".join(torch.__version__.split(".")[:2])
     assert json.loads(done.stdout.splitlines()[-1]) == [["ds_compat", 3.0, "cpu", "gloo", version, True]] * 2
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The launcher's module API, as DeepSpeed's launcher tests call it
+# --------------------------------------------------------------------------------------------------------------
+
+POOL = {"worker-0": 4, "worker-1": 4}  # the hostfile's slot counts, which DeepSpeed's get_cmd also takes
+
+
+def test_runners_take_a_pool_of_slot_counts_and_quote_exports_as_deepspeed():
+    from deepspeed.launcher import multinode_runner as theirs
+    from deepspeed.launcher.runner import parse_args as their_parse_args
+
+    from ds_compat.launchers import multinode_runner as ours
+    from ds_compat.launchers.runner import encode_world_info, parse_args
+
+    world_info = encode_world_info(POOL)
+    for name, program in (("PDSHRunner", "pdsh"), ("OpenMPIRunner", "mpirun"), ("SlurmRunner", "srun")):
+        runners = []
+        for module, parse in ((ours, parse_args), (theirs, their_parse_args)):
+            args = parse(["train.py"])  # the default hostfile, /job/hostfile, does not exist here
+            cls = getattr(module, name)
+            runner = cls(args, world_info) if name == "PDSHRunner" else cls(args, world_info, POOL)
+            for index, value in enumerate(("64(x2)", " plain ", "a b", "x=1,y:2")):
+                runner.add_export(f"V{index}", value)
+            runners.append(runner)
+        assert runners[0].exports == runners[1].exports  # '"64(x2)"', 'plain', '"a b"', 'x=1,y:2'
+        result = runners[0].get_cmd(dict(os.environ), POOL)
+        command = result[0] if name == "PDSHRunner" else result
+        assert command[0] == program
+        if name == "OpenMPIRunner":  # the value itself reaches the ranks, not DeepSpeed's quotes
+            assert "V0=64(x2)" in command and "V2=a b" in command
+
+
+def test_runner_main_raises_a_bad_launch_as_deepspeed():
+    from deepspeed.launcher import runner as theirs
+
+    from ds_compat.launchers import runner as ours
+
+    for argv in ("--num_nodes 1 -i localhost foo.py", "--num_gpus 1 -e localhost foo.py"):
+        with pytest.raises(ValueError):
+            theirs.main(args=argv.split())
+        with pytest.raises(ValueError, match="mutually exclusive|include|exclude"):
+            ours.main(args=argv.split())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config models
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _listed(value: object) -> list:
+    return [value]  # DeepSpeed calls it on the default too
+
+
+def test_a_section_marking_deprecated_fields_as_deepspeed_does():
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel as Theirs
+    from pydantic import Field
+
+    from ds_compat.runtime.config_utils import DeepSpeedConfigModel as Ours
+
+    def section(base: type) -> type:
+        class Section(base):
+            old: str | None = Field(
+                None, json_schema_extra={"deprecated": True, "new_param": "new", "new_param_fn": _listed}
+            )
+            new: list[str] | None = None
+            gone: int | None = Field(None, json_schema_extra={"deprecated": True})
+
+        return Section
+
+    for base in (Theirs, Ours):
+        assert section(base)(old="ab").new == ["ab"] and section(base)(gone=1).new is None
+        with pytest.raises(AssertionError):
+            section(base)(old="ab", new=["c"])
+
+
+@pytest.mark.parametrize("loss_scale", [[], {}, True, float("inf"), -1])
+def test_fp16_loss_scale_errors_say_what_deepspeeds_say(loss_scale):
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config as Theirs
+    from pydantic import ValidationError
+
+    from ds_compat.runtime.precision_config import DeepSpeedFP16Config as Ours
+
+    with pytest.raises(ValidationError) as theirs:
+        Theirs(loss_scale=loss_scale)
+    with pytest.raises(ValidationError) as ours:
+        Ours(loss_scale=loss_scale)
+    said = theirs.value.errors()[0]["msg"].removeprefix("Value error, fp16.loss_scale ").split(",")[0].split(" (")[0]
+    assert said in str(ours.value) and "write 0 (dynamic scaling)" in str(ours.value)
