@@ -238,3 +238,26 @@ def test_fp16_loss_scale_errors_say_what_deepspeeds_say(loss_scale):
         Ours(loss_scale=loss_scale)
     said = theirs.value.errors()[0]["msg"].removeprefix("Value error, fp16.loss_scale ").split(",")[0].split(" (")[0]
     assert said in str(ours.value) and "write 0 (dynamic scaling)" in str(ours.value)
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [
+        ({"gradient_allreduce_op": "max"}, "Invalid gradient_allreduce_op"),
+        ({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}}, "not supported with ZeRO stage 3"),
+        (
+            {"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 2, "zenflow": {}}},
+            "not supported with ZenFlow",
+        ),
+        ({"gradient_allreduce_op": "SUM", "compile": {"deepcompile": True}}, "not supported with DeepCompile"),
+    ],
+)
+def test_gradient_allreduce_op_refused_where_deepspeed_refuses_it(extra, said):
+    from deepspeed.runtime.config import DeepSpeedConfig as Theirs
+
+    from ds_compat.runtime.config import DeepSpeedConfig as Ours
+
+    for config_class in (Theirs, Ours):
+        with pytest.raises(ValueError, match=said):
+            config_class({"train_batch_size": 1, **extra})
+    assert Ours({"train_batch_size": 1, "gradient_allreduce_op": "SUM"}).gradient_allreduce_op == "sum"
