@@ -198,9 +198,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     backends = BACKENDS if args.backend == "both" else (args.backend,)
-    earlier: dict[str, str] | None = None
     if args.deepspeed_results:
-        earlier = json.loads(args.deepspeed_results.read_text())["results"]["deepspeed"]
         backends = tuple(backend for backend in backends if backend != "deepspeed")
     try:
         with tempfile.TemporaryDirectory(prefix="ds-unit-tests-") as scratch:
@@ -223,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"ds_unit_tests: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
-    if earlier is not None:  # the outcomes of this run's files only
+    if args.deepspeed_results:  # read now: it may be written while ds_compat's side runs; this run's files only
+        earlier = json.loads(args.deepspeed_results.read_text())["results"]["deepspeed"]
         modules = tuple(name.split("::")[0].removesuffix(".py").replace("/", ".") for name in args.tests)
         results["deepspeed"] = {test: outcome for test, outcome in earlier.items() if test.startswith(modules)}
     summary = compare(results)
