@@ -25,16 +25,3 @@ def refused_class(module: str, name: str, instead: str) -> type:
         raise UserError(message)
 
     return type(name, (), {"__init__": __init__, "__module__": module, "__doc__": message})
-
-
-def refused_function(module: str, name: str, instead: str) -> Any:
-    """A function named `name` that raises UserError(refusal) when called."""
-    message = refusal(f"{module.replace('ds_compat', 'deepspeed', 1)}.{name}", instead)
-
-    def refused(*args: Any, **kwargs: Any) -> NoReturn:
-        raise UserError(message)
-
-    refused.__name__ = refused.__qualname__ = name
-    refused.__module__ = module
-    refused.__doc__ = message
-    return refused
