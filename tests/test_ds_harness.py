@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -261,3 +262,19 @@ def test_gradient_allreduce_op_refused_where_deepspeed_refuses_it(extra, said):
         with pytest.raises(ValueError, match=said):
             config_class({"train_batch_size": 1, **extra})
     assert Ours({"train_batch_size": 1, "gradient_allreduce_op": "SUM"}).gradient_allreduce_op == "sum"
+
+
+def test_warmup_on_a_tensor_lr_updates_it_in_place_as_deepspeed():
+    from deepspeed.runtime import lr_schedules as theirs
+
+    from ds_compat import lr_schedules as ours
+
+    seen = []
+    for module in (theirs, ours):
+        lr = torch.full((1,), 0.1, dtype=torch.float64)
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        schedule = module.WarmupLR(optimizer=optimizer, warmup_num_steps=10)
+        schedule.step(1)  # the max lr is the group's 0.1 read at construction, not the tensor now written
+        assert optimizer.param_groups[0]["lr"] is lr
+        seen.append(lr.item())
+    assert seen[0] == pytest.approx(0.1 * math.log(2) / math.log(10)) and seen[1] == pytest.approx(seen[0])
