@@ -27,6 +27,7 @@ from typing import Any
 
 __version__ = "0.19.8+fsdp2"  # the DeepSpeed API version the engine follows
 __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
+__git_hash__ = __git_branch__ = "[fsdp2]"  # no DeepSpeed build: ds_compat/git_version_info.py
 
 _LAZY_MODULES = (
     "accelerator",
@@ -36,8 +37,11 @@ _LAZY_MODULES = (
     "config",
     "dataloader",
     "engine",
+    "git_version_info",
     "launcher",
+    "moe",
     "ops",
+    "pipe",
     "runtime",
     "trainer_door",
     "utils",

@@ -67,10 +67,28 @@ class Accelerator:
             self.layer._accel.empty_cache()
 
     def manual_seed(self, seed: int) -> None:
-        self.layer.manual_seed_all(seed)
+        """Seed the current device's generator (on cpu: torch's, as DeepSpeed's CPU accelerator does)."""
+        if self._name == "cpu":
+            torch.manual_seed(seed)
+        else:
+            self.layer._accel.manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
-        self.layer.manual_seed_all(seed)
+        if self._name == "cpu":
+            torch.manual_seed(seed)
+        else:
+            self.layer.manual_seed_all(seed)
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        if self._name == "cpu":
+            return torch.get_rng_state()
+        return self.layer._accel.get_rng_state(*([] if device_index is None else [device_index]))
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
+        if self._name == "cpu":
+            torch.set_rng_state(new_state)
+        else:
+            self.layer._accel.set_rng_state(new_state, *([] if device_index is None else [device_index]))
 
     def max_memory_allocated(self, device_index: int | None = None) -> int:
         return self.layer.peak_allocated_bytes()

@@ -36,11 +36,10 @@ RENAMED = {
     "deepspeed.launcher": "ds_compat.launchers",
     "deepspeed.utils.zero_to_fp32": "ds_compat.zero_to_fp32",
 }
-# deepspeed modules this backend deliberately does not provide, with the way out.
+# deepspeed modules this backend deliberately does not provide, with the way out. (`deepspeed.pipe` and
+# `deepspeed.moe` load, for code that only imports them, and refuse on use: ds_compat/pipe.py, ds_compat/moe/.)
 REFUSED = {
     "deepspeed.inference": "DeepSpeed inference kernels",
-    "deepspeed.moe": "DeepSpeed-MoE layers; GLM-4.5V's experts train with this backend's expert parallelism",
-    "deepspeed.pipe": "pipeline parallelism",
 }
 
 

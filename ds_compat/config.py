@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ds_compat import ds_keys, sections
+from ds_compat import autoep_env, ds_keys, sections
 from ds_compat._common import (
     Report,
     as_int,
@@ -450,6 +450,7 @@ def translate(
     steps_per_print = sections.map_logging(ds, report)
     sections.map_activation_checkpointing(ds, report)
     expert_parallel = sections.map_expert_parallel(ds, world_size, dp, stage, report)
+    autoep_env.check(os.environ, expert_parallel.size, report)
     sections.map_unsupported_features(ds, report)
     extension_keys = map_extension(extension, report)
     return Translation(

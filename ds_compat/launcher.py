@@ -574,23 +574,30 @@ def check_backend(plan: Plan, args: argparse.Namespace, environ: dict[str, str])
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    level = "error" if args.quiet else args.log_level
-    logging.basicConfig(level=level.upper(), format="[ds-fsdp] %(levelname)s: %(message)s")
-    environ = dict(os.environ)
+    """The `ds-fsdp` command: a user error is printed as one paragraph (exit status 2)."""
     try:
-        plan = plan_launch(args, environ)
-        child_env = {**environ, **plan.env}
-        if args.dry_run:
-            report = plan.report()
-            if over_ssh(plan, child_env):
-                report["ssh_commands"] = ssh_commands(plan, args)  # what runs instead of pdsh
-            print(json.dumps(report, indent=2))
-            return 0
-        check_backend(plan, args, child_env)
+        return launch(sys.argv[1:] if argv is None else argv)
     except UserError as error:
         print(f"ds-fsdp: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def launch(argv: list[str]) -> int:
+    """Plan the launch of `argv` (the deepspeed launcher's flags), then print it (--dry_run) or run it; a user error
+    raises UserError (a ValueError, the class DeepSpeed's launcher raises)."""
+    args = parse_args(argv)
+    level = "error" if args.quiet else args.log_level
+    logging.basicConfig(level=level.upper(), format="[ds-fsdp] %(levelname)s: %(message)s")
+    environ = dict(os.environ)
+    plan = plan_launch(args, environ)
+    child_env = {**environ, **plan.env}
+    if args.dry_run:
+        report = plan.report()
+        if over_ssh(plan, child_env):
+            report["ssh_commands"] = ssh_commands(plan, args)  # what runs instead of pdsh
+        print(json.dumps(report, indent=2))
+        return 0
+    check_backend(plan, args, child_env)
     log.info(
         "backend = %s (%s)",
         plan.env[ENV_BACKEND],

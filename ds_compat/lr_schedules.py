@@ -117,12 +117,13 @@ def update_lr(param_groups: list[dict], lrs: list[float]) -> list[float]:
 
 
 def _per_group(optimizer: Optimizer, value: object, name: str) -> list:
-    """A value for every param group: a list or tuple of one per group, or one value for all."""
+    """A value for every param group: a list or tuple of one per group, or one value for all. A tensor (a group's
+    tensor lr, which the schedule then updates in place) is read as its number now, not kept as an alias."""
     if isinstance(value, (list, tuple)):
         if len(value) != len(optimizer.param_groups):
             raise ValueError(f"expected {len(optimizer.param_groups)} value for {name}, got {len(value)}")
-        return list(value)
-    return [value] * len(optimizer.param_groups)
+        return [item.item() if isinstance(item, torch.Tensor) else item for item in value]
+    return [value.item() if isinstance(value, torch.Tensor) else value] * len(optimizer.param_groups)
 
 
 def _positive_int(value: object, name: str) -> None:

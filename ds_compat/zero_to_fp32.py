@@ -12,8 +12,10 @@ file above max_shard_size when huggingface_hub is installed). An OUTPUT ending i
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -38,6 +40,28 @@ def _tag_dir(checkpoint_dir: str | os.PathLike, tag: str | None) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"Directory '{path}' doesn't exist")
     return path
+
+
+def _natural_order(path: str) -> list[int | str]:
+    """`zero_pp_rank_10_...` after `zero_pp_rank_9_...`: digit runs compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def _checkpoint_files(checkpoint_dir: str | os.PathLike, pattern: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, pattern)), key=_natural_order)
+    if not files:
+        raise FileNotFoundError(f"No {pattern} files in directory '{checkpoint_dir}'")
+    return files
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """A DeepSpeed checkpoint's optimizer-state files in rank order, as DeepSpeed lists them."""
+    return _checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """A DeepSpeed checkpoint's model-state files in rank order, as DeepSpeed lists them."""
+    return _checkpoint_files(checkpoint_dir, "*_model_states.pt")
 
 
 def get_fp32_state_dict_from_zero_checkpoint(

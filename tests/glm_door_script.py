@@ -51,7 +51,8 @@ OFF = {
 }
 ON = {
     **copy.deepcopy(OFF),
-    "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "glm4v_moe"},
+    # DeepSpeed 0.20's AutoEP shape under ZeRO 3: an explicit null balance coefficient
+    "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "glm4v_moe", "load_balance_coeff": None},
     "activation_checkpointing": {"partition_activations": False},
     "glm45v_fsdp": {
         "features": {"chunk_loss": {"mode": "dynamic", "logits_budget_mib": 0.02}, "ep_balance": {"enabled": True}}

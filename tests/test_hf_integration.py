@@ -93,10 +93,17 @@ import ds_compat, ds_compat.comm
 from accelerate.utils import is_deepspeed_available as accelerate_sees
 from transformers.integrations.deepspeed import is_deepspeed_available as transformers_sees
 refused = {}
-for name in ("deepspeed.pipe", "deepspeed.no_such_module"):
+for name in ("deepspeed.inference", "deepspeed.no_such_module"):
     try:
         importlib.import_module(name)
     except ModuleNotFoundError as error:
+        refused[name] = str(error)
+from deepspeed.pipe import PipelineModule  # import-only: refused on use
+from deepspeed.moe.layer import MoE
+for name, refused_class in (("PipelineModule", PipelineModule), ("MoE", MoE)):
+    try:
+        refused_class(layers=[])
+    except ValueError as error:
         refused[name] = str(error)
 print(json.dumps({
     "module": deepspeed.__name__,
@@ -135,7 +142,9 @@ def test_import_deepspeed_resolves_to_ds_compat(probe_script, without_deepspeed,
     assert seen["version"] == seen["version_attr"] == "0.19.8+fsdp2" and seen["accelerator"] == "cpu"
     assert seen["accelerate_sees"] is True and seen["transformers_sees"] is True
     assert seen["environment_name"] == ".deepspeed_env"
-    assert "pipeline parallelism" in seen["refused"]["deepspeed.pipe"]
+    assert "DeepSpeed inference kernels" in seen["refused"]["deepspeed.inference"]
+    assert "`deepspeed.pipe.PipelineModule` is not provided" in seen["refused"]["PipelineModule"]
+    assert "expert parallelism from the ds_config's `expert_parallel` section" in seen["refused"]["MoE"]
     assert "ds-fsdp --backend deepspeed" in seen["refused"]["deepspeed.no_such_module"]
     assert "import deepspeed -> ds_compat 0.19.8+fsdp2" in result.stderr  # the log says which backend runs
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -29,6 +30,12 @@ from ds_compat.launcher import (
 )
 
 
+def as_world(active_resources: Resources | dict[str, int]) -> Resources:
+    """{host: slot ids}; a host given a slot count (DeepSpeed's resource pool, which its get_cmd takes too) has the
+    slots 0 .. count-1."""
+    return {host: list(range(n)) if isinstance(n, int) else list(n) for host, n in active_resources.items()}
+
+
 class MultiNodeRunner(ABC):
     def __init__(self, args: argparse.Namespace, world_info_base64: str) -> None:
         self.args = args
@@ -37,6 +44,7 @@ class MultiNodeRunner(ABC):
         self.user_script = args.user_script
         self.world_info_base64 = world_info_base64
         self.exports: dict[str, str] = {}
+        self._values: dict[str, str] = {}  # what add_export was given, before DeepSpeed's quoting
 
     @abstractmethod
     def backend_exists(self) -> bool:
@@ -47,7 +55,22 @@ class MultiNodeRunner(ABC):
         """The command that starts the job on `active_resources`; may set launcher variables in `environment`."""
 
     def add_export(self, key: str, var: str) -> None:
-        self.exports[key.strip()] = var.strip()  # quoted where the command is built
+        """`exports[key]` as DeepSpeed writes it (double-quoted when it holds a character a shell would read); the
+        command is built from the value itself, quoted where the command needs it."""
+        value = var.strip()
+        self._values[key.strip()] = value
+        self.exports[key.strip()] = f'"{value}"' if re.search(r"[^\w@%+=:,./-]", value) else value
+
+    def command_exports(self) -> dict[str, str]:
+        """The exports' values as given to add_export (an entry set in `exports` directly: as it stands)."""
+        return {
+            key: self._values[key] if key in self._values and self._as_added(key) else value
+            for key, value in self.exports.items()
+        }
+
+    def _as_added(self, key: str) -> bool:
+        value = self._values[key]
+        return self.exports[key] in (value, f'"{value}"')
 
     def parse_user_args(self) -> list[str]:
         return self.args.user_args
@@ -63,7 +86,7 @@ class MultiNodeRunner(ABC):
     def validate_active_resources(cls, active_resources: Resources) -> None:
         """Check a resolved --include/--exclude filter against what this backend can express."""
 
-    def master_addr(self, active_resources: Resources) -> str:
+    def master_addr(self, active_resources: Resources | dict[str, int]) -> str:
         return self.args.master_addr or next(iter(active_resources))
 
 
@@ -79,8 +102,9 @@ class PDSHRunner(MultiNodeRunner):
         self, environment: MutableMapping[str, str], active_resources: Resources
     ) -> tuple[list[str], list[str], MutableMapping[str, str]]:
         """(pdsh command, the pdsh command that kills the nodes' torchruns, `environment` with pdsh's variables)."""
-        nodes = [Node(host, rank, list(slots)) for rank, (host, slots) in enumerate(active_resources.items())]
-        command, pdsh_env = pdsh_plan(self.args, nodes, self.master_addr(active_resources), self.exports, environment)
+        world = as_world(active_resources)
+        nodes = [Node(host, rank, slots) for rank, (host, slots) in enumerate(world.items())]
+        command, pdsh_env = pdsh_plan(self.args, nodes, self.master_addr(world), self.command_exports(), environment)
         environment.update(pdsh_env)
         kill = [*command[:-1], f"pkill -f {shlex.quote(f'{sys.executable} -u -m torch.distributed.run')}"]
         return command, kill, environment
@@ -107,8 +131,9 @@ class SlurmRunner(_PooledRunner):
         check_slurm_world(active_resources)
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Resources) -> list[str]:
-        self.validate_active_resources(active_resources)
-        command, slurm_env = slurm_plan(self.args, active_resources, self.exports)
+        world = as_world(active_resources)
+        self.validate_active_resources(world)
+        command, slurm_env = slurm_plan(self.args, world, self.command_exports())
         environment.update(slurm_env)  # srun --export=ALL hands them to every rank
         return command
 
@@ -129,13 +154,17 @@ class _MPIRunner(_PooledRunner):
         return shutil.which("mpirun") is not None
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Resources) -> list[str]:
+        """mpirun's command; it names args.hostfile as DeepSpeed's does (the caller has read that file)."""
         addr = self.master_addr(active_resources)
-        hostfile = os.path.isfile(self.args.hostfile)
-        return mpi_plan(self.args, self.launcher, self.resource_pool, self.exports, addr, hostfile)
+        return mpi_plan(self.args, self.launcher, self.resource_pool, self.command_exports(), addr, hostfile=True)
 
 
 class OpenMPIRunner(_MPIRunner):
     launcher = "openmpi"
+
+    def __init__(self, args: argparse.Namespace, world_info_base64: str, resource_pool: dict[str, int]) -> None:
+        super().__init__(args, world_info_base64, resource_pool)
+        self.add_export("UCX_TLS", "tcp")  # as DeepSpeed's, and ds-fsdp's collect_exports; a later export replaces it
 
     def backend_exists(self) -> bool:
         return shutil.which("ompi_info") is not None

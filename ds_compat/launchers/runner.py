@@ -1,6 +1,7 @@
 """`deepspeed.launcher.runner`: the deepspeed launcher's module. Its command line and `main` are ds-fsdp's
-(ds_compat/launcher.py); the hostfile and filter functions that cluster tools call are here, on ds_compat.hostfile
-(OrderedDicts in hostfile order as DeepSpeed returns; ValueErrors with DeepSpeed's messages followed by the fix).
+(ds_compat/launcher.py; `main(args)` raises a bad launch's ValueError, as DeepSpeed's does); the hostfile and filter
+functions that cluster tools call are here, on ds_compat.hostfile (OrderedDicts in hostfile order as DeepSpeed
+returns; ValueErrors with DeepSpeed's messages followed by the fix).
 """
 
 from __future__ import annotations
@@ -8,9 +9,10 @@ from __future__ import annotations
 import base64
 import collections
 import json
+import sys
 
 from ds_compat.hostfile import Resources, filter_resources, limit_resources, parse_hostfile, read_hostfile
-from ds_compat.launcher import DEEPSPEED_ENVIRONMENT_NAME, DLTS_HOSTFILE, PDSH_MAX_FAN_OUT, log, main, parse_args
+from ds_compat.launcher import DEEPSPEED_ENVIRONMENT_NAME, DLTS_HOSTFILE, PDSH_MAX_FAN_OUT, launch, log, parse_args
 
 __all__ = [
     "DEEPSPEED_ENVIRONMENT_NAME",
@@ -24,6 +26,12 @@ __all__ = [
     "parse_inclusion_exclusion",
     "parse_resource_filter",
 ]
+
+
+def main(args: list[str] | None = None) -> int:
+    """deepspeed.launcher.runner.main: ds-fsdp on `args` (sys.argv's when None); a bad launch raises its ValueError
+    (UserError) to the caller, as DeepSpeed's main does, instead of printing it as the `ds-fsdp` command does."""
+    return launch(sys.argv[1:] if args is None else args)
 
 
 def fetch_hostfile(hostfile_path: str) -> collections.OrderedDict | None:

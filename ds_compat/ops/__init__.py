@@ -6,6 +6,16 @@ optimizer offload, on the host. A script that builds one (the HF Trainer does wh
 `offload_optimizer`) runs unchanged.
 """
 
+from typing import Any
+
 from ds_compat.alias import submodule_attributes
 
-__getattr__ = submodule_attributes("deepspeed.ops")
+_submodule = submodule_attributes("deepspeed.ops")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__compatible_ops__":  # which ops exist, as DeepSpeed probes them (ds_compat/ops/op_builder.py)
+        from ds_compat.ops.op_builder import compatible_ops
+
+        return compatible_ops()
+    return _submodule(name)

@@ -105,11 +105,23 @@ def _section(param_dict: dict, key: str) -> dict:
     return node
 
 
-def _gradient_allreduce_op(param_dict: dict) -> str:
+def _gradient_allreduce_op(param_dict: dict, zero_config: Any) -> str:
+    """ "mean" or "sum" (any case); "sum" refused where DeepSpeed refuses it: ZeRO-3, ZenFlow, DeepCompile."""
     op = param_dict.get("gradient_allreduce_op", "mean")
     op = op.lower() if isinstance(op, str) else op
     if op not in ("mean", "sum"):
-        raise key_error("gradient_allreduce_op", op, "is not a reduction DeepSpeed offers", 'Write "mean" or "sum".')
+        raise ConfigError(
+            f"Invalid gradient_allreduce_op: DeepSpeed config key 'gradient_allreduce_op' = {op!r} is not a reduction "
+            'DeepSpeed offers. Write "mean" or "sum".'
+        )
+    deepcompile = _section(param_dict, "compile").get("deepcompile", False)
+    for refused, feature in (
+        (zero_config.stage == ZeroStageEnum.weights, "ZeRO stage 3"),
+        (zero_config.zenflow is not None, "ZenFlow"),
+        (deepcompile, "DeepCompile"),
+    ):
+        if op == "sum" and refused:
+            raise ConfigError(f"gradient_allreduce_op='sum' is not supported with {feature}: write \"mean\".")
     return op
 
 
@@ -207,7 +219,7 @@ class DeepSpeedConfig:
         scheduler = _section(param_dict, "scheduler")
         self.scheduler_name = scheduler.get("type")
         self.scheduler_params = scheduler.get("params") if self.scheduler_name is not None else None
-        self.gradient_allreduce_op = _gradient_allreduce_op(param_dict)
+        self.gradient_allreduce_op = _gradient_allreduce_op(param_dict, self.zero_config)
         autocast = _section(param_dict, "torch_autocast")
         self.torch_autocast_enabled = autocast.get("enabled", False)
         self.torch_autocast_dtype = _autocast_dtype(autocast)

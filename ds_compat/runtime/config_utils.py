@@ -3,7 +3,8 @@ provides (`zero.config`, `zero.offload_config`, `runtime.precision_config`) read
 
 A section rejects keys it does not define, accepts a field's name or its alias, validates assignments, drops "auto"
 values (their defaults apply: the HF Trainer fills the ones that matter before DeepSpeed sees them) and moves a
-deprecated key's value onto the key that replaced it (`DEPRECATED`), warning once.
+deprecated key's value onto the key that replaced it (`DEPRECATED`, or a field marked deprecated as DeepSpeed marks
+them), warning once.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class DeepSpeedConfigModel(BaseModel):
         if not strict:
             data = {key: value for key, value in data.items() if not (isinstance(value, str) and value == "auto")}
         super().__init__(**data)
-        for old, (new, convert) in self.DEPRECATED.items():
+        for old, (new, convert) in self.deprecations().items():
             if old not in self.model_fields_set:
                 continue
             logger.warning(f"DeepSpeed config key {old} is deprecated" + (f": its value now sets {new}" if new else ""))
@@ -50,6 +51,23 @@ class DeepSpeedConfigModel(BaseModel):
             value = convert(getattr(self, old))
             delattr(self, old)  # the value lives on under its new name only, as in DeepSpeed
             setattr(self, new, value)
+
+    @classmethod
+    def deprecations(cls) -> dict[str, tuple[str | None, Callable[[Any], Any]]]:
+        """DEPRECATED, and the fields marked as DeepSpeed marks them: `Field(json_schema_extra={"deprecated": True,
+        "new_param": ..., "new_param_fn": ..., "set_new_param": ...})` (a section written against DeepSpeed's base)."""
+        table = dict(cls.DEPRECATED)
+        for name, field in cls.model_fields.items():
+            extra = field.json_schema_extra
+            if name in table or not isinstance(extra, dict) or not extra.get("deprecated"):
+                continue
+            new = (extra.get("new_param") or None) if extra.get("set_new_param", True) else None
+            table[name] = (new, extra.get("new_param_fn", _unchanged))
+        return table
+
+
+def _unchanged(value: Any) -> Any:
+    return value
 
 
 def get_scalar_param(param_dict: dict, param_name: str, param_default_value: Any) -> Any:

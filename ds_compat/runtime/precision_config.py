@@ -55,9 +55,15 @@ class DeepSpeedFP16Config(DeepSpeedConfigModel):
     @classmethod
     def _scale_is_finite_and_not_negative(cls, value: Any) -> float:
         number = None if isinstance(value, bool) else _as_float(value)
-        if number is None or not math.isfinite(number) or number < 0:
-            raise ValueError(f"fp16.loss_scale = {value!r}: write 0 (dynamic scaling) or a fixed scale > 0")
-        return number
+        if number is None:  # DeepSpeed's words for what is wrong, then the fix
+            problem = "must be a number"
+        elif not math.isfinite(number):
+            problem = "must be a finite number"
+        elif number < 0:
+            problem = "must be >= 0"
+        else:
+            return number
+        raise ValueError(f"fp16.loss_scale = {value!r} {problem}: write 0 (dynamic scaling) or a fixed scale > 0")
 
     @field_validator("loss_scale_window", "min_loss_scale", mode="before")
     @classmethod

@@ -233,3 +233,39 @@ def _get_expert_data_parallel_rank(group_name: str) -> int:
 
 def _get_expert_broadcast_src_rank(group_name: str) -> int:
     return dist.get_global_rank(_get_expert_data_parallel_group(group_name), 0)
+
+
+def _get_expert_parallel_ranks(
+    world_size: int,
+    tensor_parallel_size_: int,
+    expert_parallel_size_: int,
+    pipeline_parallel_size_: int = 1,
+    use_data_before_expert_parallel_: bool = False,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """DeepSpeed's expert-parallel and expert-data-parallel rank lists for `world_size` ranks laid out as pipeline
+    stages (blocks of ranks) x data parallel x tensor parallel (adjacent ranks): arithmetic only, no process group.
+
+    Each stage's data-parallel ranks of one tensor-parallel slot split into expert-parallel groups of
+    `expert_parallel_size_` consecutive members (E + D), or members `dp / ep` apart when `use_data_before_expert_
+    parallel_` (D + E); the members at the same place in those groups form an expert-data-parallel group. The
+    engine's own EP layout is the E + D case without tensor or pipeline parallelism: blocks of adjacent ranks.
+    """
+    tp, pp, ep = tensor_parallel_size_, pipeline_parallel_size_, expert_parallel_size_
+    if world_size % (tp * pp):
+        raise DeepSpeedAssertion(f"{world_size} is not divisible by {tp * pp}")
+    dp = world_size // (tp * pp)
+    if dp % ep:
+        raise DeepSpeedAssertion(f"{dp} is not divisible by {ep}")
+    stage = world_size // pp
+    expert_groups: list[list[int]] = []
+    expert_data_groups: list[list[int]] = []
+    for first in range(0, world_size, stage):
+        for slot in range(tp):
+            data = list(range(first + slot, first + stage, tp))
+            if use_data_before_expert_parallel_:
+                apart = dp // ep
+                data = [data[index] for start in range(apart) for index in range(start, dp, apart)]
+            chunks = [data[start : start + ep] for start in range(0, dp, ep)]
+            expert_groups.extend(chunks)
+            expert_data_groups.extend([list(members) for members in zip(*chunks)])
+    return expert_groups, expert_data_groups
