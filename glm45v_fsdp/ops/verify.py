@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -25,7 +26,27 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.float() - want.float()).abs().max().item() / (want.float().abs().max().item() + 1e-6)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float, what: str) -> None:
+def tolerance_for(dtype: torch.dtype) -> float:
+    """The largest relative error a fused kernel may show against the reference in `dtype`."""
+    return 1e-4 if dtype == torch.float32 else 3e-2
+
+
+@contextmanager
+def kernel_check(chose: str, fallback: str) -> Iterator[None]:
+    """Around a fused kernel's first call against the reference: whatever it raises (a missing function, a rejected
+    argument or a wrong result alike) becomes a ConfigError naming the config key and what `chose` the kernel, and
+    the `fallback` setting that runs the reference instead."""
+    try:
+        yield
+    except Exception as error:
+        raise ConfigError(
+            f"Config key {chose}, and its first call failed against the reference: {type(error).__name__}: {error}. "
+            f"Set {fallback}."
+        ) from None
+
+
+def check_close(got: torch.Tensor, want: torch.Tensor, tolerance: float, what: str) -> None:
+    """ValueError naming `what` when `got` is further than `tolerance` (relative) from the reference's `want`."""
     error = relative_error(got, want)
     if not error <= tolerance:
         raise ValueError(f"{what}: relative error {error:.2e} against the reference (tolerance {tolerance:g})")
@@ -47,12 +68,12 @@ def _compare(
         results.append((outputs, [leaf.grad for leaf in leaves]))
     (got, got_grads), (want, want_grads) = results
     for index, (g, w) in enumerate(zip(got, want)):
-        _close(g, w, tolerance, f"output {index}")
+        check_close(g, w, tolerance, f"output {index}")
     for index, (g, w) in enumerate(zip(got_grads, want_grads)):
         if w is not None:
             if g is None:
                 raise ValueError(f"input {index} gets no gradient")
-            _close(g, w, tolerance, f"gradient of input {index}")
+            check_close(g, w, tolerance, f"gradient of input {index}")
 
 
 class _Inputs:
@@ -149,14 +170,9 @@ CHECKS = {
 
 def verify_ops(choice: OpsChoice, device: torch.device, dtype: torch.dtype) -> None:
     """Each fast kernel of `choice` once against the reference (module docstring); ConfigError on failure."""
-    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    tolerance = tolerance_for(dtype)
     for op in choice.fast():
-        kernel = KERNELS[(op, choice.names[op])]
-        try:
-            CHECKS[op](kernel, _Inputs(device, dtype), tolerance)
-        except Exception as error:  # a missing function, a rejected argument or a wrong result alike
-            raise ConfigError(
-                f"Config key 'model.ops' chose {choice.label(op)} for {op} on {device} ({dtype}), and its first call "
-                f"failed against the reference: {type(error).__name__}: {error}. Set model.ops={{{op}: reference}} "
-                f"to run the reference for {op} (or model.ops=reference for every op)."
-            ) from None
+        chose = f"'model.ops' chose {choice.label(op)} for {op} on {device} ({dtype})"
+        fallback = f"model.ops={{{op}: reference}} to run the reference for {op} (or model.ops=reference for every op)"
+        with kernel_check(chose, fallback):
+            CHECKS[op](KERNELS[(op, choice.names[op])], _Inputs(device, dtype), tolerance)
