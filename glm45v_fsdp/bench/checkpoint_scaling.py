@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from glm45v_fsdp.bench.options import add_documented_parser
 from glm45v_fsdp.bench.runner import md_table, write_report
+
+HELP = "a DCP checkpoint's save / verify / load seconds and bytes at 1, 2 and 4 ranks (CPU)"
 
 RANKS = (1, 2, 4)
 
@@ -201,12 +204,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "checkpoint-scaling",
-        help="a DCP checkpoint's save / verify / load seconds and bytes at 1, 2 and 4 ranks (CPU)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_documented_parser(sub, "checkpoint-scaling", HELP, __doc__)
     parser.add_argument("--ranks", default="1,2,4", help="rank counts, comma-separated")
     parser.add_argument("--mib", type=float, default=192.0, help="about this many MiB of checkpoint (default 192)")
     parser.add_argument("--cold", action="store_true", help="drop the files from the page cache before verify/load")

@@ -34,6 +34,11 @@ SHARED_OPTIONS: dict[str, tuple[Any, str]] = {
 }
 
 
+def add_documented_parser(sub: Any, name: str, help: str, module_doc: str | None) -> argparse.ArgumentParser:
+    """A bench's subcommand whose --help prints its module's docstring as written (line breaks and tables kept)."""
+    return sub.add_parser(name, help=help, description=module_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def add_options(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     """The shared options `defaults` names, in its order, each with this bench's default (None: decided later, by
     `settle` or a preset). A bench that means more by one of them adds it itself, with its own help."""

@@ -21,6 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from glm45v_fsdp.bench.options import add_documented_parser
+
+HELP = "the bytes a DCP resume reads over its checkpoint's size (each file verified once per job)"
+
 READS_DIR_ENV = "GLM45V_READS_DIR"  # where each rank leaves reads-rank{R}.json
 Launch = Callable[[list[str], int, dict[str, str]], subprocess.CompletedProcess]
 
@@ -84,12 +88,7 @@ def torchrun_launch(argv: list[str], nproc: int, env: dict[str, str]) -> subproc
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "resume-reads",
-        help="the bytes a DCP resume reads over its checkpoint's size (each file verified once per job)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_documented_parser(sub, "resume-reads", HELP, __doc__)
     parser.add_argument("--ranks", type=int, default=4, help="processes of each run (torchrun when > 1)")
     parser.add_argument("--out", type=Path, required=True, help="a new directory for the runs")
     parser.add_argument("overrides", nargs="*", help="training overrides, e.g. a larger model")
