@@ -8,6 +8,7 @@ optimizer exists. docs/architecture.md describes the layering.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -185,13 +186,7 @@ def build_loader(
     else:
         refuse_dropped_mixture(saved_state, config.data)
         sampler = GlobalBatchSampler(len(data.dataset), seed=training.seed, shuffle=config.data.shuffle, **split)
-    return build_dataloader(
-        data.dataset,
-        sampler,
-        data.tokenizer.pad_token_id,
-        packing=config.data.packing,
-        num_workers=config.data.num_workers,
-    )
+    return build_dataloader(data.dataset, sampler, **_collation(config, data))
 
 
 def build_eval_batches(config: Config, runtime: Runtime, data: TrainingData) -> EvalBatches | None:
@@ -206,13 +201,17 @@ def build_eval_batches(config: Config, runtime: Runtime, data: TrainingData) -> 
         runtime.dp_size,
         config.training.eval_iters,
     )
-    return EvalBatches(
-        data.validation,
-        indices,
-        data.tokenizer.pad_token_id,
-        packing=config.data.packing,
-        num_workers=config.data.num_workers,
-    )
+    return EvalBatches(data.validation, indices, **_collation(config, data))
+
+
+def _collation(config: Config, data: TrainingData) -> dict[str, Any]:
+    """How this run collates and loads its micro batches, the training's and the evals' alike: the pad token,
+    data.packing and data.num_workers."""
+    return {
+        "pad_token_id": data.tokenizer.pad_token_id,
+        "packing": config.data.packing,
+        "num_workers": config.data.num_workers,
+    }
 
 
 def build_data(config: Config, runtime: Runtime, hf_config: object, start_step: int = 0):
