@@ -90,13 +90,22 @@ class MultiNodeRunner(ABC):
         return self.args.master_addr or next(iter(active_resources))
 
 
-class PDSHRunner(MultiNodeRunner):
+class _NamedRunner(MultiNodeRunner):
+    """A runner named by deepspeed's --launcher value, installed when its `program` is on PATH."""
+
+    launcher = ""  # the --launcher value: the runner's name
+    program = ""  # the program whose presence says the launcher is installed
+
     @property
     def name(self) -> str:
-        return "pdsh"
+        return self.launcher
 
     def backend_exists(self) -> bool:
-        return shutil.which("pdsh") is not None
+        return shutil.which(self.program) is not None
+
+
+class PDSHRunner(_NamedRunner):
+    launcher = program = "pdsh"
 
     def get_cmd(
         self, environment: MutableMapping[str, str], active_resources: Resources
@@ -110,7 +119,7 @@ class PDSHRunner(MultiNodeRunner):
         return command, kill, environment
 
 
-class _PooledRunner(MultiNodeRunner):
+class _PooledRunner(_NamedRunner):
     """A runner that is also handed the hostfile's {host: slot count} (deepspeed's `resource_pool`)."""
 
     def __init__(self, args: argparse.Namespace, world_info_base64: str, resource_pool: dict[str, int]) -> None:
@@ -119,12 +128,7 @@ class _PooledRunner(MultiNodeRunner):
 
 
 class SlurmRunner(_PooledRunner):
-    @property
-    def name(self) -> str:
-        return "slurm"
-
-    def backend_exists(self) -> bool:
-        return shutil.which("sinfo") is not None
+    launcher, program = "slurm", "sinfo"
 
     @classmethod
     def validate_active_resources(cls, active_resources: Resources) -> None:
@@ -141,17 +145,10 @@ class SlurmRunner(_PooledRunner):
 class _MPIRunner(_PooledRunner):
     """mpirun over the whole hostfile: no --include/--exclude, no --num_nodes/--num_gpus."""
 
-    launcher = ""
-
-    @property
-    def name(self) -> str:
-        return self.launcher
+    program = "mpirun"
 
     def validate_args(self) -> None:
         check_mpi_flags(self.args, self.name)
-
-    def backend_exists(self) -> bool:
-        return shutil.which("mpirun") is not None
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Resources) -> list[str]:
         """mpirun's command; it names args.hostfile as DeepSpeed's does (the caller has read that file)."""
@@ -160,14 +157,11 @@ class _MPIRunner(_PooledRunner):
 
 
 class OpenMPIRunner(_MPIRunner):
-    launcher = "openmpi"
+    launcher, program = "openmpi", "ompi_info"
 
     def __init__(self, args: argparse.Namespace, world_info_base64: str, resource_pool: dict[str, int]) -> None:
         super().__init__(args, world_info_base64, resource_pool)
         self.add_export("UCX_TLS", "tcp")  # as DeepSpeed's, and ds-fsdp's collect_exports; a later export replaces it
-
-    def backend_exists(self) -> bool:
-        return shutil.which("ompi_info") is not None
 
 
 class MPICHRunner(_MPIRunner):
