@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from glm45v_fsdp.adapters import is_adapter
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.lora.apply import EXPERT_STACKS, AdapterSpec
+from glm45v_fsdp.model.builder import read_json_file
 
 PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -96,10 +97,7 @@ def read_adapter(directory: Path, spec: AdapterSpec, experts: int) -> dict[str, 
                 f"Config key 'model.lora.init_from' = '{directory}': '{path.name}' is missing. Point it at a PEFT "
                 f"adapter directory (save_pretrained of a PeftModel, or a checkpoint's adapter/)."
             )
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UserError(f"Config key 'model.lora.init_from': '{config_path}' is not readable JSON: {error}.") from None
+    config = read_json_file(config_path, "Config key 'model.lora.init_from'")
     if config.get("peft_type") != "LORA":
         raise UserError(
             f"Config key 'model.lora.init_from' = '{directory}' holds a {config.get('peft_type')!r} adapter; this "

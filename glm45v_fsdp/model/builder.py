@@ -25,6 +25,15 @@ MODEL_TYPE = "glm4v_moe"
 OVERRIDES_KEY = "model.config_overrides"
 
 
+def read_json_file(path: Path, named_by: str) -> Any:
+    """The JSON in `path` (an HF directory's config.json, a PEFT adapter's adapter_config.json); a UserError naming
+    the setting that pointed at it (`named_by`) when the file is not readable JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(f"{named_by}: '{path}' is not readable JSON: {error}.") from None
+
+
 def _read_config_dir(name_or_path: str) -> dict:
     directory = Path(name_or_path).expanduser()
     if not directory.is_dir():
@@ -38,10 +47,7 @@ def _read_config_dir(name_or_path: str) -> dict:
             f"Config key 'model.name_or_path' = '{name_or_path}': '{path}' does not exist. The directory must be a "
             f"Hugging Face model directory with config.json (as downloaded from zai-org/GLM-4.5V)."
         )
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UserError(f"Model config '{path}' (model.name_or_path) is not readable JSON: {error}.") from None
+    data = read_json_file(path, "Config key 'model.name_or_path'")
     model_type = data.get("model_type") if isinstance(data, dict) else None
     if model_type != MODEL_TYPE:
         raise UserError(
