@@ -5,17 +5,15 @@ GLM-4.5V merges: ours and PEFT's own."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.lora.apply import EXPERT_STACKS
-from glm45v_fsdp.lora.peft_format import CONFIG_FILE, PREFIX, WEIGHTS_FILE, from_peft
+from glm45v_fsdp.lora.peft_format import PREFIX, from_peft, read_lora_files
 
 _KEY = re.compile(r"^(?P<module>.+?)(?P<depth>(\.base_layer)*)\.lora_(?P<factor>[AB])\.weight$")
 
@@ -30,20 +28,12 @@ def _pattern_value(patterns: dict, key: str, default: float) -> float:
 
 def adapter_deltas(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     """{base parameter name: its LoRA delta (scaling x B A), full shape} of the adapter in `directory`."""
-    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    if not config_path.is_file() or not weights_path.is_file():
+    config, tensors = read_lora_files(directory, "lora-merge ADAPTER")
+    if config.get("use_dora") or config.get("use_rslora"):
         raise UserError(
-            f"lora-merge ADAPTER = '{directory}' is not a PEFT adapter directory: it needs {CONFIG_FILE} and "
-            f"{WEIGHTS_FILE}. Point it at a checkpoint's adapter/ or a PeftModel.save_pretrained directory."
+            f"lora-merge ADAPTER = '{directory}' is a LoRA adapter with DoRA / rsLoRA; lora-merge merges plain LoRA "
+            f"adapters."
         )
-    config = json.loads(config_path.read_text())
-    if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("use_rslora"):
-        raise UserError(
-            f"lora-merge ADAPTER = '{directory}' is a {config.get('peft_type')!r} adapter"
-            f"{' with DoRA / rsLoRA' if config.get('use_dora') or config.get('use_rslora') else ''}; lora-merge merges "
-            f"plain LoRA adapters."
-        )
-    tensors = load_file(weights_path)
     factors: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         found = _KEY.match(key.removeprefix(PREFIX))

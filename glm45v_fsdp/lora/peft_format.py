@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -87,23 +88,29 @@ def write_adapter(directory: Path, tensors: dict[str, torch.Tensor], spec: Adapt
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
-def read_adapter(directory: Path, spec: AdapterSpec, experts: int) -> dict[str, torch.Tensor]:
-    """PEFT's adapter directory -> {our adapter parameter name: full tensor} for the adapters of `spec` (which the
-    directory must hold, each, and nothing else); `experts`: the routed experts per stack."""
+def read_lora_files(directory: Path, named_by: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter directory -> (its adapter_config.json, its tensors by PEFT's keys); a UserError naming the
+    setting that pointed at it (`named_by`) when a file is missing, the config is not JSON or the adapter not LoRA."""
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     for path in (config_path, weights_path):
         if not path.is_file():
             raise UserError(
-                f"Config key 'model.lora.init_from' = '{directory}': '{path.name}' is missing. Point it at a PEFT "
-                f"adapter directory (save_pretrained of a PeftModel, or a checkpoint's adapter/)."
+                f"{named_by} = '{directory}': '{path.name}' is missing. Point it at a PEFT adapter directory "
+                f"(save_pretrained of a PeftModel, or a checkpoint's adapter/)."
             )
-    config = read_json_file(config_path, "Config key 'model.lora.init_from'")
+    config = read_json_file(config_path, named_by)
     if config.get("peft_type") != "LORA":
         raise UserError(
-            f"Config key 'model.lora.init_from' = '{directory}' holds a {config.get('peft_type')!r} adapter; this "
-            f"backend trains LoRA. Point it at a LoRA adapter."
+            f"{named_by} = '{directory}' holds a {config.get('peft_type')!r} adapter; this backend reads LoRA "
+            f"adapters. Point it at a LoRA adapter."
         )
-    found = load_file(weights_path)
+    return config, load_file(weights_path)
+
+
+def read_adapter(directory: Path, spec: AdapterSpec, experts: int) -> dict[str, torch.Tensor]:
+    """PEFT's adapter directory -> {our adapter parameter name: full tensor} for the adapters of `spec` (which the
+    directory must hold, each, and nothing else); `experts`: the routed experts per stack."""
+    _, found = read_lora_files(directory, "Config key 'model.lora.init_from'")
     stacks = _targeted_stacks(spec)
     names = [f"{name}.{leaf}" for name in spec.linear for leaf in ("lora_A", "lora_B")]
     names += [f"{name}.{stack}_lora_{f}" for name in spec.experts for stack in stacks for f in "AB"]
