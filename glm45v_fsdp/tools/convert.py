@@ -48,24 +48,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = commands.add_parser("inspect", help="keys, shapes, dtypes, expert layout, prefixes; --config: fit check")
     sub.add_argument("path", help="an HF model directory, a DCP checkpoint, a training.save or a DeepSpeed directory")
     sub.add_argument("--config", help="training YAML to check the checkpoint against (exit 1 if it does not fit)")
-    sub.set_defaults(run="inspect")
     sub = commands.add_parser("dcp-to-hf", help="DCP checkpoint -> HF safetensors (per-expert layout)")
     sub.add_argument("checkpoint", help="a DCP checkpoint or a training.save directory (its newest complete one)")
     sub.add_argument("out", help="new HF model directory")
     _add_model_options(sub, dtype=True)
-    sub.set_defaults(run="dcp_to_hf")
     sub = commands.add_parser("hf-to-dcp", help="HF safetensors (either expert layout) -> DCP checkpoint")
     sub.add_argument("hf", help="an HF model directory")
     sub.add_argument("out", help="new DCP checkpoint directory")
     _add_model_options(sub, dtype=False)
-    sub.set_defaults(run="hf_to_dcp")
     sub = commands.add_parser("bin-to-hf", help="HF directory with pytorch_model*.bin -> safetensors (weights-only)")
     sub.add_argument("hf", help="an HF model directory whose weights are pytorch_model*.bin files")
     sub.add_argument("out", help="new HF model directory (safetensors, the other files copied)")
-    sub.set_defaults(run="bin_to_hf")
-    for name, run, what in (
-        ("ds-to-hf", "ds_to_hf", "HF safetensors (per-expert layout)"),
-        ("ds-to-dcp", "ds_to_dcp", "a weights-only DCP checkpoint (training.load starts from it at step 0)"),
+    for name, what in (
+        ("ds-to-hf", "HF safetensors (per-expert layout)"),
+        ("ds-to-dcp", "a weights-only DCP checkpoint (training.load starts from it at step 0)"),
     ):
         sub = commands.add_parser(name, help=f"DeepSpeed checkpoint (ZeRO 0-3, any world size) -> {what}")
         sub.add_argument("deepspeed", help="a DeepSpeed save_dir (its `latest` tag) or one global_stepN directory")
@@ -73,22 +69,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sub.add_argument("--config", help="training YAML whose model section describes the model (default: tiny)")
         if name == "ds-to-hf":
             sub.add_argument("--dtype", choices=("bf16", "fp32"), help="tensor dtype to write (default: fp32)")
-        sub.set_defaults(run=run)
     sub = commands.add_parser("dcp-to-ds", help="our checkpoint -> DeepSpeed's layout (DeepSpeed resumes it)")
     sub.add_argument("checkpoint", help="an engine save_dir / tag, a training.save directory or one checkpoint")
     sub.add_argument("out", help="new DeepSpeed save_dir (latest + global_stepN)")
     sub.add_argument("--zero-stage", type=int, required=True, help="the ZeRO stage DeepSpeed resumes with")
     sub.add_argument("--world-size", type=int, required=True, help="the data-parallel ranks DeepSpeed resumes on")
-    sub.set_defaults(run="dcp_to_ds")
     sub = commands.add_parser("lora-merge", help="HF base + PEFT LoRA adapter -> the merged model, HF safetensors")
     sub.add_argument("base", help="the base's HF model directory")
     sub.add_argument("adapter", help="a PEFT LoRA adapter directory (a checkpoint's adapter/, save_pretrained's)")
     sub.add_argument("out", help="new HF model directory")
     _add_model_options(sub, dtype=True)
-    sub.set_defaults(run="lora_merge")
     sub = commands.add_parser("verify", help="check a checkpoint's files against its checksums (offline)")
     sub.add_argument("path", help="a checkpoint (DCP step, HF export, DeepSpeed tag) or a directory holding several")
-    sub.set_defaults(run="verify")
+    for name, sub in commands.choices.items():
+        sub.set_defaults(run=name.replace("-", "_"))  # the conversions function of its name
     return parser.parse_args(argv)
 
 
