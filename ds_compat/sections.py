@@ -77,7 +77,7 @@ def check_top_level(ds: dict, report: Report) -> None:
         if key in ds_keys.STRICT_SECTIONS and key != "zero_optimization":
             check_keys(key, as_section(key, value), ds_keys.STRICT_SECTIONS[key], _STRICT_WHY)
         if key in ds_keys.NO_EFFECT_TOP:
-            report.ignore(key)
+            report.ignore(key, "tunes DeepSpeed's own machinery (profilers, timers, data loader, I/O)")
         elif key in misspelled:
             report.misspelled.append(
                 f"'{key}' = {value!r} is not a DeepSpeed key: did you mean '{misspelled[key]}'? DeepSpeed ignores "
@@ -273,7 +273,7 @@ def map_zero(ds: dict, dp: int, report: Report) -> int:
             report.ignore("zero_optimization.offload_optimizer.ratio")
     for key in zero:
         if key in ds_keys.ZERO_NO_EFFECT:
-            report.ignore(f"zero_optimization.{key}", "tunes DeepSpeed's own buckets, streams or partitioning")
+            report.ignore(f"zero_optimization.{key}", "tunes DeepSpeed's own buckets, streams, partitioning or saving")
 
     stage_key = "zero_optimization.stage" if "stage" in zero else None
     report.override("parallel.data_parallel_replicate_size", dp if stage == 0 else 1, source=stage_key)
@@ -282,7 +282,8 @@ def map_zero(ds: dict, dp: int, report: Report) -> int:
     report.override("parallel.fsdp_plan.unit_mib", unit_mib)
     for key in bucket_keys:
         if key in zero:
-            report.mapped(f"zero_optimization.{key}", f"parallel.fsdp_plan.unit_mib={unit_mib:g} (the larger bucket)")
+            larger = " (the larger of the two buckets)" if len(bucket_keys) > 1 else ""
+            report.mapped(f"zero_optimization.{key}", f"parallel.fsdp_plan.unit_mib={unit_mib:g}{larger}")
     if stage == 0:
         report.note(
             "ZeRO stage 0 -> replicated data parallel: parallel.data_parallel_replicate_size = the data-parallel "
