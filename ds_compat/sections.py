@@ -342,13 +342,19 @@ def map_fp16(fp16: dict, report: Report) -> None:
             "must be > 0 for dynamic loss scaling, as DeepSpeed says",
             "Write a positive number.",
         )
-    report.override("training.loss_scale.static_scale", static)
+
+    def given(key: str) -> str | None:
+        return f"fp16.{key}" if key in fp16 else None
+
+    report.override("training.loss_scale.static_scale", static, source=given("loss_scale"))
     if static == 0:
-        report.override("training.loss_scale.initial_scale_power", power)
-        report.override("training.loss_scale.window", window)
-        report.override("training.loss_scale.hysteresis", hysteresis)
-        report.override("training.loss_scale.consecutive_hysteresis", consecutive)
-        report.override("training.loss_scale.min_scale", floor)
+        report.override("training.loss_scale.initial_scale_power", power, source=given("initial_scale_power"))
+        report.override("training.loss_scale.window", window, source=given("loss_scale_window"))
+        report.override("training.loss_scale.hysteresis", hysteresis, source=given("hysteresis"))
+        report.override(
+            "training.loss_scale.consecutive_hysteresis", consecutive, source=given("consecutive_hysteresis")
+        )
+        report.override("training.loss_scale.min_scale", floor, source=given("min_loss_scale"))
     else:
         for key in ds_keys.FP16_SCALING_KEYS[1:]:
             if key in fp16:

@@ -90,6 +90,7 @@ NON_DEFAULT: list[tuple[dict, str, str]] = [
         "refused",
     ),
     ({"gradient_clipping": 0.5}, "gradient_clipping", MAPPED),
+    ({"fp16": {"enabled": True, "loss_scale": 0, "hysteresis": 4}}, "fp16.hysteresis", MAPPED),
     ({"tensorboard": {"enabled": True, "job_name": "x"}}, "tensorboard.job_name", NO_EFFECT),
     ({"csv_monitor": {"enabled": True, "output_path": "x"}}, "csv_monitor.enabled", MAPPED),
     ({"steps_per_print": 10}, "steps_per_print", TAKEN),
@@ -123,15 +124,16 @@ def _value(path: str) -> Any:
     return value
 
 
-def answer(extra: dict, path: str) -> str:
+def answer(extra: dict, path: str, switch: str = "") -> str:
     """What the translation made of `path` in BATCH + `extra`: a row's kind, or 'refused' (a ConfigError naming the
-    key or a section holding it), or what went wrong."""
+    key, a section holding it, or `switch`: the switch that turns the section on), or what went wrong."""
     base = BATCH if path.split(".")[0] not in BATCH else {"train_batch_size": 1}
     try:
         translation = translate({**base, **extra}, 1)
     except ConfigError as error:
         parts = path.split(".")
-        named = any(f"key '{'.'.join(parts[:end])}'" in str(error) for end in range(1, len(parts) + 1))
+        names = [".".join(parts[:end]) for end in range(1, len(parts) + 1)] + [switch] * bool(switch)
+        named = any(f"key '{name}'" in str(error) for name in names)
         return "refused" if named else f"refused naming another key: {error}"
     rows = {row.path: row for row in translation.keys}
     return rows[path].kind if path in rows else "no row"
@@ -156,6 +158,31 @@ def test_every_schema_key_is_taken_mapped_or_refused_at_its_default():
         refused_ok = _rejected(path) or any(path == k or path.startswith(k + ".") for k in REFUSED_AT_DEFAULT)
         if not (got in ANSWERS or (got == "refused" and refused_ok)):
             wrong.append(f"{path} = {_value(path)!r}: {got}")
+    assert wrong == []
+
+
+def test_every_boolean_key_is_answered_the_other_way_too():
+    """true where DeepSpeed's default is false and back: taken, mapped, no effect, or refused naming the key."""
+    wrong = []
+    for path in TABLE["keys"]:
+        if isinstance(_value(path), bool):
+            got = answer(_nested(path, not _value(path)), path)
+            if got not in (*ANSWERS, "refused"):
+                wrong.append(f"{path} = {not _value(path)!r}: {got}")
+    assert wrong == []
+
+
+def test_every_key_of_a_section_is_answered_with_the_section_on():
+    """Each key beside `enabled: true` (fp16's loss scaling, tensorboard's paths, AutoEP's patterns, ...)."""
+    wrong = []
+    for section in sorted(path.rpartition(".")[0] for path in TABLE["keys"] if path.endswith(".enabled")):
+        depth = section.count(".") + 1
+        for path in TABLE["keys"]:
+            leaf = path.rpartition(".")[2]
+            if path.startswith(section + ".") and path.count(".") == depth and leaf != "enabled":
+                got = answer(_nested(section, {"enabled": True, leaf: _value(path)}), path, f"{section}.enabled")
+                if got not in (*ANSWERS, "refused"):
+                    wrong.append(f"{path} = {_value(path)!r} with {section}.enabled: {got}")
     assert wrong == []
 
 
