@@ -32,7 +32,7 @@ setup(
     # `deepspeed` package and the `deepspeed` distribution metadata ship as data.
     package_data={
         "glm45v_fsdp.configs": ["*.yaml"],
-        "ds_compat": ["shim/deepspeed/*.py", "shim/deepspeed-*.dist-info/*"],
+        "ds_compat": ["shim/deepspeed/*.py", "shim/deepspeed-*.dist-info/*", "ds_schema.json"],
     },
     install_requires=[
         # 2.13 is the first release whose FSDP2/DTensor/DCP we test on CPU; the upper bound keeps pip from

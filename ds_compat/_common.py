@@ -95,25 +95,58 @@ def render_fields(fields: Mapping[str, Any]) -> list[str]:
     return [f"{key}={format_value(value)}" for key, value in fields.items()]
 
 
+TAKEN, MAPPED, NO_EFFECT, UNKNOWN = "taken", "mapped", "no effect", "not a DeepSpeed key"
+
+
 @dataclass
 class Report:
-    """What a translation found: our config fields (key path -> typed value), keys without effect (each once), and
-    differences from DeepSpeed."""
+    """What a translation found: our config fields (key path -> typed value), keys without effect (each once),
+    differences from DeepSpeed, and what became of each ds_config key (`answers`: key path -> (taken | mapped |
+    no effect, how)); a key the backend cannot honour is refused with a ConfigError instead."""
 
     fields: dict[str, Any] = field(default_factory=dict)
     no_effect: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     trainer_notes: set[str] = field(default_factory=set)  # notes about our trainer's door only (not the engine API)
     misspelled: list[str] = field(default_factory=list)  # top-level keys close to a DeepSpeed key: warnings
+    answers: dict[str, tuple[str, str]] = field(default_factory=dict)
 
-    def override(self, key: str, value: Any) -> None:
-        """Set our config key `key` to `value`; a key set again moves to the end (the order the report shows)."""
+    def override(self, key: str, value: Any, source: str | None = None) -> None:
+        """Set our config key `key` to `value`; a key set again moves to the end (the order the report shows).
+        `source`: the ds_config key it comes from, which is then answered as mapped onto it."""
         self.fields.pop(key, None)
         self.fields[key] = value
+        if source is not None:
+            target = f"{key}={format_value(value)}"
+            kind, how = self.answers.get(source, (MAPPED, ""))
+            if kind != MAPPED or not how:
+                self.answers[source] = (MAPPED, target)
+            elif target not in how.split(", "):
+                self.answers[source] = (MAPPED, f"{how}, {target}")
 
-    def ignore(self, path: str) -> None:
+    def answered(self, path: str) -> bool:
+        """Whether ds_config key `path`, or a section holding it, has its answer."""
+        parts = path.split(".")
+        return any(".".join(parts[:end]) in self.answers for end in range(1, len(parts) + 1))
+
+    def take(self, path: str, how: str) -> None:
+        """ds_config key `path` is taken with DeepSpeed's meaning; `how` says what does it here."""
+        self.answers[path] = (TAKEN, how)
+
+    def mapped(self, path: str, how: str) -> None:
+        """ds_config key `path` is mapped onto our equivalent, `how`."""
+        self.answers[path] = (MAPPED, how)
+
+    def ignore(self, path: str, why: str = "") -> None:
+        """ds_config key `path` (a whole section: every key in it) has no effect on the FSDP2 backend."""
         if path not in self.no_effect:
             self.no_effect.append(path)
+        self.answers.setdefault(path, (NO_EFFECT, why))
+
+    def unknown(self, path: str, note: str = "") -> None:
+        """ds_config key `path` is not a DeepSpeed key: DeepSpeed ignores it, and so does the translation (noted)."""
+        self.answers[path] = (UNKNOWN, "DeepSpeed ignores it too")
+        self.note(note or f"'{path}' is not a DeepSpeed key: DeepSpeed ignores it, and so does the translation.")
 
     def note(self, text: str, door: Literal["both", "trainer"] = "both") -> None:
         """A difference from DeepSpeed or a warning; door="trainer": it concerns only our trainer's --deepspeed door

@@ -36,6 +36,7 @@ from ds_compat._common import (
     render_fields,
 )
 from ds_compat.extension import map_extension, read_extension
+from ds_compat.key_table import KeyAnswer, answer_keys
 from ds_compat.sections import AutoEP
 from ds_compat.specs import OptimizerSpec, SchedulerSpec, optimizer_spec, scheduler_spec
 from glm45v_fsdp.config import (
@@ -132,7 +133,9 @@ def _auto_may_stay(path: str) -> bool:
     return (
         top in ds_keys.NO_EFFECT_TOP
         or (top == "zero_optimization" and (rest in ds_keys.ZERO_NO_EFFECT or rest in ds_keys.BUCKET_KEYS))
-        or (top == "expert_parallel" and ds_keys.EXPERT_PARALLEL_ROUTING.get(rest) == "auto")
+        or (top == "zero_optimization" and rest.startswith("zenflow."))  # DeepSpeed's own "auto"; zenflow is refused
+        or (top == "expert_parallel" and ds_keys.EXPERT_PARALLEL_ROUTING.get(rest, "auto") == "auto")
+        or path == "data_types.keep_in_fp32_modules"  # DeepSpeed's default, "auto"
     )
 
 
@@ -343,6 +346,7 @@ class Translation:
     ring_attention_size: int = 1  # the extension section's, which also takes ranks from data parallelism
     expert_parallel: AutoEP = field(default_factory=AutoEP)  # the expert_parallel section as the engine needs it
     extension: dict[str, Any] = field(default_factory=dict)  # the extension section's keys (key path -> value)
+    keys: list[KeyAnswer] = field(default_factory=list)  # every key of the ds_config and what became of it
 
     @property
     def sequence_parallel_size(self) -> int:
@@ -388,6 +392,7 @@ class Translation:
             "no_effect": self.no_effect,
             "notes": self.notes,
             "misspelled": self.misspelled,
+            "keys": [dataclasses.asdict(row) for row in self.keys],
             "ds_config": self.ds_config,
         }
 
@@ -422,13 +427,21 @@ def translate(
     ds, filled = resolve_auto(raw, base, dp)
     batch = resolve_batch(ds, dp)
     if sp > 1:
-        report.override("parallel.ulysses_parallel_size", sp)
+        report.override("parallel.ulysses_parallel_size", sp, source="sequence_parallel_size")
         report.note(
             f"sequence_parallel_size {sp}: Ulysses context parallelism over {sp} ranks (each sequence split {sp} "
             f"ways, all-to-all around attention); {dp} data-parallel rank(s) see different data."
         )
-    report.override("training.micro_batch_size", batch.micro_batch_size)
-    report.override("training.gradient_accumulation_steps", batch.gradient_accumulation_steps)
+    report.override(
+        "training.micro_batch_size", batch.micro_batch_size, source=MICRO_BATCH if MICRO_BATCH in ds else None
+    )
+    report.override(
+        "training.gradient_accumulation_steps",
+        batch.gradient_accumulation_steps,
+        source=ACCUMULATION if ACCUMULATION in ds else None,
+    )
+    if TRAIN_BATCH in ds:
+        report.take(TRAIN_BATCH, f"{batch.train_batch_size} = micro x accumulation x data-parallel size, as checked")
     stage = sections.map_zero(ds, dp, report)
     precision = sections.map_precision(ds, stage, report)
     clip = sections.map_clipping(ds, report)
@@ -473,6 +486,7 @@ def translate(
         steps_per_print=steps_per_print,
         expert_parallel=expert_parallel,
         extension=extension_keys,
+        keys=answer_keys(ds, report.answers),
     )
 
 
@@ -511,6 +525,7 @@ def explain_text(translation: Translation, source: str) -> str:
         ("Overrides (key.path=value)", t.overrides),
         ("No effect on the FSDP2 backend", t.no_effect),
         ("Differences from DeepSpeed and warnings", t.notes),
+        ("Every key (taken, mapped, no effect; refused keys stop the translation)", [row.line() for row in t.keys]),
     ):
         if items:
             lines.append(f"{title}:")

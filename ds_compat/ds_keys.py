@@ -67,7 +67,6 @@ ZERO_NO_EFFECT: frozenset[str] = frozenset(
         "legacy_stage1",
         "round_robin_gradients",
         "parameter_alignment",
-        "zero_hpz_partition_size",
         "memory_efficient_linear",
         "pipeline_loading_checkpoint",
         "override_module_apply",
@@ -84,12 +83,15 @@ ZERO_NO_EFFECT: frozenset[str] = frozenset(
 ZERO_MAPPED: frozenset[str] = frozenset(
     {"stage", "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_param"}
 )
+# zero_optimization keys refused when they enable their feature (true, or a section given), with the reason.
 ZERO_UNSUPPORTED: dict[str, str] = {
     "zero_quantized_weights": "ZeRO++ quantized weight communication changes the numerics",
     "zero_quantized_gradients": "ZeRO++ quantized gradient communication changes the numerics",
     "zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights change the numerics",
     "zenflow": "ZenFlow's stale-gradient CPU optimizer changes the updates",
 }
+# zero_optimization.zero_hpz_partition_size: ZeRO++'s secondary parameter partition; its default (1: none) is taken.
+HPZ_KEY = "zero_hpz_partition_size"
 
 OFFLOAD_PARAM_KEYS = frozenset({"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"})
 OFFLOAD_OPTIMIZER_KEYS = frozenset(
@@ -129,7 +131,11 @@ _MONITOR_PATH_KEYS = frozenset({"enabled", "output_path", "job_name"})
 
 # Sections whose DeepSpeed model forbids undefined keys (nested offload sections are checked on their own).
 STRICT_SECTIONS: dict[str, frozenset[str]] = {
-    "zero_optimization": ZERO_MAPPED | frozenset(BUCKET_KEYS) | ZERO_NO_EFFECT | frozenset(ZERO_UNSUPPORTED),
+    "zero_optimization": ZERO_MAPPED
+    | frozenset(BUCKET_KEYS)
+    | ZERO_NO_EFFECT
+    | frozenset(ZERO_UNSUPPORTED)
+    | {HPZ_KEY},
     "fp16": FP16_KEYS,
     "bf16": BF16_KEYS,
     "bfloat16": BF16_KEYS,
@@ -223,10 +229,8 @@ NO_EFFECT_TOP: frozenset[str] = frozenset(
         "zero_force_ds_cpu_optimizer",
         "seq_parallel_communication_data_type",
         "dataloader_drop_last",
-        "checkpoint",
         "aio",
-        "datastates",
-        "compile",
+        "datastates_ckpt",
     }
 )
 
@@ -263,6 +267,8 @@ MAPPED_TOP: frozenset[str] = frozenset(
         "expert_parallel",
         "use_data_before_expert_parallelism",
         "weight_quantization",
+        "checkpoint",
+        "compile",
     }
 )
 # The ds_config section of this backend's own keys (ds_compat/extension.py); DeepSpeed ignores it.

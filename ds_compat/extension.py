@@ -122,7 +122,7 @@ def map_extension(extension: ExtensionSection, report: Report) -> dict[str, Any]
     except ConfigError as error:
         raise ConfigError(f"DeepSpeed config section '{EXTENSION_KEY}': {error}") from None
     for path, value in leaves:
-        report.override(path, value)
+        report.override(path, value, source=f"{EXTENSION_KEY}.{path}")
     report.note(
         f"'{EXTENSION_KEY}' (this backend's keys, which DeepSpeed ignores): "
         + ", ".join(f"{path}={value!r}" for path, value in leaves)

@@ -14,12 +14,14 @@ from typing import Any
 
 from ds_compat import ds_keys
 from ds_compat._common import (
+    UNKNOWN,
     Report,
     as_bool,
     as_float,
     as_int,
     as_section,
     check_keys,
+    format_value,
     key_error,
 )
 from glm45v_fsdp.errors import UserError
@@ -75,14 +77,15 @@ def check_top_level(ds: dict, report: Report) -> None:
         if key in ds_keys.STRICT_SECTIONS and key != "zero_optimization":
             check_keys(key, as_section(key, value), ds_keys.STRICT_SECTIONS[key], _STRICT_WHY)
         if key in ds_keys.NO_EFFECT_TOP:
-            report.ignore(key)
+            report.ignore(key, "tunes DeepSpeed's own machinery (profilers, timers, data loader, I/O)")
         elif key in misspelled:
             report.misspelled.append(
                 f"'{key}' = {value!r} is not a DeepSpeed key: did you mean '{misspelled[key]}'? DeepSpeed ignores "
                 f"it, and so does the translation: the value has no effect. Rename it to '{misspelled[key]}'."
             )
+            report.answers[key] = (UNKNOWN, f"a misspelling of '{misspelled[key]}'? DeepSpeed ignores it too")
         elif key not in ds_keys.KNOWN_TOP:
-            report.note(f"'{key}' is not a DeepSpeed key: DeepSpeed ignores it, and so does the translation.")
+            report.unknown(key)
 
 
 def sequence_parallel(ds: dict, world_size: int, report: Report, alst_size: int | None = None) -> int:
@@ -106,6 +109,8 @@ def sequence_parallel(ds: dict, world_size: int, report: Report, alst_size: int 
             f"does not divide the world size {world_size}",
             f"Choose a divisor of {world_size}; the data-parallel size is world size / sequence_parallel_size.",
         )
+    if "sequence_parallel_size" in ds and sp == 1:
+        report.take("sequence_parallel_size", "1: no sequence parallelism")
     if "data_parallel_size" in ds:
         dp = as_int("data_parallel_size", ds["data_parallel_size"], minimum=1)
         if "sequence_parallel_size" not in ds:
@@ -117,13 +122,17 @@ def sequence_parallel(ds: dict, world_size: int, report: Report, alst_size: int 
                 f"is not world size / sequence_parallel_size = {world_size} / {sp}",
                 f"Set it to {world_size // sp} or remove it.",
             )
+        else:
+            report.take("data_parallel_size", f"{dp} = world size / sequence_parallel_size, as checked")
     return sp
 
 
 def _offload_device(zero: dict, key: str, allowed: frozenset[str], legacy: str, report: Report) -> str:
     """The device of `zero_optimization.<key>` (or its deprecated boolean `legacy` form): none, cpu."""
     path = f"zero_optimization.{key}"
-    if legacy in zero:
+    if legacy in zero and zero[legacy] is None:
+        report.ignore(f"zero_optimization.{legacy}", "null: DeepSpeed's default")
+    elif legacy in zero:
         on = as_bool(f"zero_optimization.{legacy}", zero[legacy])
         if zero.get(key) is not None:
             raise key_error(
@@ -136,6 +145,8 @@ def _offload_device(zero: dict, key: str, allowed: frozenset[str], legacy: str, 
             f"zero_optimization.{legacy} is deprecated in DeepSpeed; read as {key}.device = {'cpu' if on else 'none'}."
         )
         return "cpu" if on else "none"
+    if key in zero and zero[key] is None:
+        report.take(path, "null: no offload")
     section = as_section(path, zero.get(key))
     check_keys(path, section, allowed, _STRICT_WHY)
     device = section.get("device", "none")
@@ -148,9 +159,19 @@ def _offload_device(zero: dict, key: str, allowed: frozenset[str], legacy: str, 
             "NVMe offload (ZeRO-Infinity) needs DeepSpeed's async I/O engine; FSDP2 offloads to host memory only",
             'Use "cpu".',
         )
+    if section.get("super_offload", False) is not False:
+        raise _cannot(
+            f"{path}.super_offload",
+            section["super_offload"],
+            "SuperOffload's CPU optimizer runs on Grace-Hopper style superchips inside DeepSpeed's ZeRO-3 engine; "
+            "FSDP2 offloads with torch's CPUOffloadPolicy",
+            'Remove the key (or set it to false); "device": "cpu" offloads to host memory.',
+        )
+    if device == "none":
+        report.take(f"{path}.device", '"none": no offload, as DeepSpeed')
     for sub in section:
         if sub not in ("device", "ratio"):
-            report.ignore(f"{path}.{sub}")
+            report.ignore(f"{path}.{sub}", "tunes DeepSpeed's offload engine")
     return device
 
 
@@ -162,23 +183,27 @@ def _bucket_elements(zero: dict, key: str) -> tuple[float, bool]:
     return as_float(f"zero_optimization.{key}", value, minimum=0.0), True
 
 
-def _unit_mib(zero: dict, stage: int, report: Report) -> float:
+def _unit_mib(zero: dict, stage: int, report: Report) -> tuple[float, list[str]]:
     """DeepSpeed's bucket sizes -> the FSDP2 unit size: a unit is what one collective moves, as a bucket is. Stages
     0-2 reduce (and all-gather) in buckets of reduce_bucket_size / allgather_bucket_size elements; stage 3 fetches
-    parameters ahead in buckets of stage3_prefetch_bucket_size elements. Elements count 4 bytes (fp32 parameters)."""
+    parameters ahead in buckets of stage3_prefetch_bucket_size elements. Elements count 4 bytes (fp32 parameters).
+    Returns the unit size and the bucket keys it follows at this stage."""
     if stage == 3:
         keys = ["stage3_prefetch_bucket_size" if "stage3_prefetch_bucket_size" in zero else "prefetch_bucket_size"]
     else:
         keys = ["reduce_bucket_size", "allgather_bucket_size"]
     key = max(keys, key=lambda name: _bucket_elements(zero, name)[0])
     elements, explicit = _bucket_elements(zero, key)
+    for other in ds_keys.BUCKET_KEYS:
+        if other in zero and other not in keys:
+            report.ignore(f"zero_optimization.{other}", f"the FSDP2 unit size follows {key} at stage {stage}")
     unit_mib = round(elements * 4 / 2**20, 3)
     report.note(
         f"zero_optimization.{key}{'' if explicit else ' (DeepSpeed default)'} = {elements:.3g} elements -> "
         f"parallel.fsdp_plan.unit_mib = {unit_mib:g}: consecutive layers are merged into FSDP2 units of at least "
         "that many MiB of parameters (one collective each), as DeepSpeed fills a bucket."
     )
-    return unit_mib
+    return unit_mib, keys
 
 
 def map_zero(ds: dict, dp: int, report: Report) -> int:
@@ -208,7 +233,21 @@ def map_zero(ds: dict, dp: int, report: Report) -> int:
         raise key_error("zero_optimization.stage", stage, "is not a ZeRO stage", "Write 0, 1, 2 or 3.")
     for key, why in ds_keys.ZERO_UNSUPPORTED.items():
         if zero.get(key) not in (None, False):
-            raise _cannot(f"zero_optimization.{key}", zero[key], why)
+            raise _cannot(f"zero_optimization.{key}", zero[key], why, "Remove the key (or set it to false).")
+        if key in zero:
+            report.take(f"zero_optimization.{key}", "off, as DeepSpeed's default")
+    if ds_keys.HPZ_KEY in zero:
+        hpz = as_int(f"zero_optimization.{ds_keys.HPZ_KEY}", zero[ds_keys.HPZ_KEY], minimum=1)
+        if hpz > 1:
+            raise _cannot(
+                f"zero_optimization.{ds_keys.HPZ_KEY}",
+                hpz,
+                "ZeRO++ hpZ keeps a second copy of the parameters sharded within groups of that many ranks; FSDP2 "
+                "shards each parameter once (HSDP, which shards within a group and replicates across groups, is the "
+                "extension section's parallel.data_parallel_replicate_size)",
+                "Remove the key (or set it to 1).",
+            )
+        report.take(f"zero_optimization.{ds_keys.HPZ_KEY}", "1: no secondary partition, as DeepSpeed's default")
     if zero.get("compute_grad_norm") is False and stage not in (1, 2):
         raise key_error(
             "zero_optimization.compute_grad_norm",
@@ -234,11 +273,17 @@ def map_zero(ds: dict, dp: int, report: Report) -> int:
             report.ignore("zero_optimization.offload_optimizer.ratio")
     for key in zero:
         if key in ds_keys.ZERO_NO_EFFECT:
-            report.ignore(f"zero_optimization.{key}")
+            report.ignore(f"zero_optimization.{key}", "tunes DeepSpeed's own buckets, streams, partitioning or saving")
 
-    report.override("parallel.data_parallel_replicate_size", dp if stage == 0 else 1)
-    report.override("parallel.fsdp_plan.reshard_after_forward", stage == 3)
-    report.override("parallel.fsdp_plan.unit_mib", _unit_mib(zero, stage, report))
+    stage_key = "zero_optimization.stage" if "stage" in zero else None
+    report.override("parallel.data_parallel_replicate_size", dp if stage == 0 else 1, source=stage_key)
+    report.override("parallel.fsdp_plan.reshard_after_forward", stage == 3, source=stage_key)
+    unit_mib, bucket_keys = _unit_mib(zero, stage, report)
+    report.override("parallel.fsdp_plan.unit_mib", unit_mib)
+    for key in bucket_keys:
+        if key in zero:
+            larger = " (the larger of the two buckets)" if len(bucket_keys) > 1 else ""
+            report.mapped(f"zero_optimization.{key}", f"parallel.fsdp_plan.unit_mib={unit_mib:g}{larger}")
     if stage == 0:
         report.note(
             "ZeRO stage 0 -> replicated data parallel: parallel.data_parallel_replicate_size = the data-parallel "
@@ -257,6 +302,12 @@ def map_zero(ds: dict, dp: int, report: Report) -> int:
     if param_device == "cpu" and stage < 3:
         report.ignore("zero_optimization.offload_param")
         report.note("offload_param has no effect below ZeRO stage 3 (DeepSpeed offloads parameters only at stage 3).")
+    for key in ("offload_optimizer.device", "offload_param.device", "cpu_offload", "cpu_offload_param"):
+        section, _, leaf = key.rpartition(".")
+        node = zero.get(section) if section else zero
+        path = f"zero_optimization.{key}"
+        if isinstance(node, dict) and node.get(leaf) is not None and not report.answered(path):
+            report.mapped(path, f"parallel.fsdp_plan.cpu_offload={format_value(offload)}")
     report.override("parallel.fsdp_plan.cpu_offload", offload)
     if offload:
         report.note(
@@ -291,13 +342,19 @@ def map_fp16(fp16: dict, report: Report) -> None:
             "must be > 0 for dynamic loss scaling, as DeepSpeed says",
             "Write a positive number.",
         )
-    report.override("training.loss_scale.static_scale", static)
+
+    def given(key: str) -> str | None:
+        return f"fp16.{key}" if key in fp16 else None
+
+    report.override("training.loss_scale.static_scale", static, source=given("loss_scale"))
     if static == 0:
-        report.override("training.loss_scale.initial_scale_power", power)
-        report.override("training.loss_scale.window", window)
-        report.override("training.loss_scale.hysteresis", hysteresis)
-        report.override("training.loss_scale.consecutive_hysteresis", consecutive)
-        report.override("training.loss_scale.min_scale", floor)
+        report.override("training.loss_scale.initial_scale_power", power, source=given("initial_scale_power"))
+        report.override("training.loss_scale.window", window, source=given("loss_scale_window"))
+        report.override("training.loss_scale.hysteresis", hysteresis, source=given("hysteresis"))
+        report.override(
+            "training.loss_scale.consecutive_hysteresis", consecutive, source=given("consecutive_hysteresis")
+        )
+        report.override("training.loss_scale.min_scale", floor, source=given("min_loss_scale"))
     else:
         for key in ds_keys.FP16_SCALING_KEYS[1:]:
             if key in fp16:
@@ -340,7 +397,12 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
         if as_bool(f"{name}.{key}", section.get(key, False)):
             if stage == 0:
                 raise key_error(f"{name}.{key}", True, "is rejected by DeepSpeed without ZeRO (stage 0)", "Remove it.")
-            report.note(f"{name}.{key}: FSDP2 keeps fp32 master weights, gradients and optimizer states (more memory).")
+            report.mapped(f"{name}.{key}", "fp32 master weights, gradients and optimizer states (FSDP2's)")
+            report.note(
+                f"{name}.{key}: DeepSpeed keeps {name} master weights{' and gradients' if 'grads' in key else ''} "
+                f"{'(and optimizer states) ' if 'states' in key else ''}to save memory; FSDP2 keeps them in fp32 "
+                "(more memory, more precise updates)."
+            )
     if as_bool(f"{bf16_key}.bf16_optimizer_states", bf16.get("bf16_optimizer_states", False)) and not bf16.get(
         "bf16_master_weights_and_grads", False
     ):
@@ -349,6 +411,9 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
         )
     precision = "fp16" if fp16_on else "bf16" if bf16_on or autocast_on else "fp32"
     report.override("parallel.fsdp_plan.param_dtype", precision)
+    for name, section in (("fp16", fp16), (bf16_key, bf16), ("torch_autocast", autocast)):
+        if "enabled" in section:
+            report.mapped(f"{name}.enabled", f"precision {precision}: parallel.fsdp_plan.param_dtype={precision}")
     if precision == "fp32":
         report.note('precision fp32: DeepSpeed trains in fp32 unless bf16 is enabled (add "bf16": {"enabled": true}).')
     mapped = {
@@ -361,7 +426,8 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
             if key not in mapped[name]:
                 report.ignore(f"{name}.{key}")
     if bf16_on and as_bool(f"{bf16_key}.check_grad_overflow", bf16.get("check_grad_overflow", True)):
-        report.override("training.on_nonfinite", "skip")
+        check = f"{bf16_key}.check_grad_overflow" if "check_grad_overflow" in bf16 else None
+        report.override("training.on_nonfinite", "skip", source=check)
         report.note(
             "bf16 check_grad_overflow (DeepSpeed's default) -> training.on_nonfinite=skip; DeepSpeed skips without "
             "limit, the trainer stops after training.max_skipped_steps skipped steps.",
@@ -374,7 +440,11 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
         )
     comm = ds.get("communication_data_type")
     if comm is None:
-        report.override("parallel.fsdp_plan.reduce_dtype", "fp32")
+        report.override(
+            "parallel.fsdp_plan.reduce_dtype",
+            "fp32",
+            source="communication_data_type" if "communication_data_type" in ds else None,
+        )
         if precision != "fp32":
             report.note(
                 f"gradient reduction in fp32: DeepSpeed reduces {precision} gradients in {precision} unless "
@@ -384,7 +454,7 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
         reduce = DTYPE_NAMES.get(str(comm).lower())
         if str(comm).lower() not in ("fp32", "bf16", "fp16"):
             raise key_error("communication_data_type", comm, "is rejected by DeepSpeed", 'Write "fp32" or "bf16".')
-        report.override("parallel.fsdp_plan.reduce_dtype", reduce)
+        report.override("parallel.fsdp_plan.reduce_dtype", reduce, source="communication_data_type")
     data_types = as_section("data_types", ds.get("data_types"))
     for key, value in data_types.items():
         path = f"data_types.{key}"
@@ -398,7 +468,7 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
         if key in ("param_dtype", "grad_accum_dtype", "buffer_dtype", "keep_in_fp32_modules"):
             report.ignore(path)
         else:
-            report.note(f"'{path}' is not a DeepSpeed key: DeepSpeed ignores it, and so does the translation.")
+            report.unknown(path)
     return precision
 
 
@@ -415,7 +485,7 @@ def map_clipping(ds: dict, report: Report) -> float:
     if clip < 0:
         report.note(f"gradient_clipping = {clip} < 0 disables clipping in DeepSpeed; training.clip_grad=0 does here.")
         clip = 0.0
-    report.override("training.clip_grad", clip)
+    report.override("training.clip_grad", clip, source="gradient_clipping" if "gradient_clipping" in ds else None)
     return clip
 
 
@@ -434,6 +504,8 @@ def map_logging(ds: dict, report: Report) -> float:
         steps_per_print = math.inf
     elif ds.get("steps_per_print") is not None:
         steps_per_print = as_int("steps_per_print", ds["steps_per_print"], minimum=1)
+    if "steps_per_print" in ds:
+        report.take("steps_per_print", "the engine API's progress line every N optimizer steps (null: never)")
     if ds.get("steps_per_print") is not None:
         report.note(
             f"steps_per_print {steps_per_print}: DeepSpeed's own progress line (step, skipped, lr, mom) every "
@@ -443,14 +515,21 @@ def map_logging(ds: dict, report: Report) -> float:
         )
     if "tensorboard" in ds:
         section, on = _enabled(ds, "tensorboard")
-        report.override("training.tensorboard", on)
+        report.override("training.tensorboard", on, source="tensorboard.enabled" if "enabled" in section else None)
+        for key in ("output_path", "job_name"):
+            if key in section:
+                report.ignore(f"tensorboard.{key}", "events go to <training.output_dir>/tensorboard")
         if on and ("output_path" in section or "job_name" in section):
             report.note(
                 "tensorboard events go to <training.output_dir>/tensorboard, not output_path/job_name.", door="trainer"
             )
     if "csv_monitor" in ds:
-        _, on = _enabled(ds, "csv_monitor")
+        section, on = _enabled(ds, "csv_monitor")
         if on:
+            report.mapped("csv_monitor.enabled", "the trainer's <training.output_dir>/metrics.jsonl")
+            for key in ("output_path", "job_name"):
+                if key in section:
+                    report.ignore(f"csv_monitor.{key}", "metrics go to <training.output_dir>/metrics.jsonl")
             report.note(
                 "csv_monitor -> the trainer's <training.output_dir>/metrics.jsonl (JSON lines, not CSV files).",
                 door="trainer",
@@ -475,14 +554,12 @@ def map_activation_checkpointing(ds: dict, report: Report) -> None:
     section = as_section("activation_checkpointing", ds.get("activation_checkpointing"))
     for key in section:
         if key not in ds_keys.ACTIVATION_CHECKPOINTING_KEYS:
-            report.note(
-                f"'activation_checkpointing.{key}' is not a DeepSpeed key: DeepSpeed ignores it, and so does this."
-            )
+            report.unknown(f"activation_checkpointing.{key}")
         elif key != "cpu_checkpointing":
             report.ignore(f"activation_checkpointing.{key}")
     if not section:
         return
-    report.override("features.recompute.enabled", True)
+    report.override("features.recompute.enabled", True, source="activation_checkpointing")
     report.note(
         "activation_checkpointing -> features.recompute.enabled=true (full granularity; default plan: the vision "
         "blocks and the text decoder layers). partition_activations has nothing to split without tensor "
@@ -490,7 +567,9 @@ def map_activation_checkpointing(ds: dict, report: Report) -> None:
         door="trainer",
     )
     if as_bool("activation_checkpointing.cpu_checkpointing", section.get("cpu_checkpointing", False)):
-        report.override("features.activation_offload.enabled", True)
+        report.override(
+            "features.activation_offload.enabled", True, source="activation_checkpointing.cpu_checkpointing"
+        )
         report.note(
             "activation_checkpointing.cpu_checkpointing -> features.activation_offload.enabled=true: the recomputed "
             "modules' saved inputs wait in pinned host memory and are prefetched in backward (DeepSpeed moves its "
@@ -508,13 +587,13 @@ def map_unsupported_features(ds: dict, report: Report) -> None:
             "gradient_allreduce_op", op, "the engine averages gradients over data-parallel ranks", 'Use "mean".'
         )
     if "gradient_allreduce_op" in ds:
-        report.ignore("gradient_allreduce_op")
+        report.take("gradient_allreduce_op", "mean: gradients averaged over the data-parallel ranks")
     if "managed_gradient_accumulation" in ds:
         if not as_bool("managed_gradient_accumulation", ds["managed_gradient_accumulation"]):
             raise _cannot(
                 "managed_gradient_accumulation", False, "the engine owns the accumulation boundary", "Remove the key."
             )
-        report.ignore("managed_gradient_accumulation")
+        report.take("managed_gradient_accumulation", "the engine owns the accumulation boundary, as DeepSpeed's")
     refusals = {
         "hybrid_engine": "DeepSpeed-Chat's hybrid training/inference engine",
         "data_efficiency": "curriculum learning and random-LTD change the data the model sees",
@@ -537,6 +616,30 @@ def map_unsupported_features(ds: dict, report: Report) -> None:
         report.ignore("tensor_parallel")
     if "weight_quantization" in ds:
         raise _cannot("weight_quantization", ds["weight_quantization"], "quantized weights change the numerics")
+    compile_section = as_section("compile", ds.get("compile"))
+    if as_bool("compile.deepcompile", compile_section.get("deepcompile", False)):
+        raise _cannot(
+            "compile.deepcompile",
+            True,
+            "DeepCompile rewrites the compiled graph with DeepSpeed's own ZeRO passes (prefetch, selective gather, "
+            "offload), which have no FSDP2 counterpart",
+            "Remove the key (or set it to false); the FSDP2 units and features.recompute / activation_offload give "
+            "the memory savings.",
+        )
+    if "compile" in ds:
+        report.ignore("compile", "configures DeepCompile only, which is off")
+    checkpoint = as_section("checkpoint", ds.get("checkpoint"))
+    if as_bool("checkpoint.load_universal", checkpoint.get("load_universal", False)):
+        raise _cannot(
+            "checkpoint.load_universal",
+            True,
+            "it loads DeepSpeed's universal checkpoint (the folder ds_to_universal.py writes); this backend saves and "
+            "loads DCP checkpoints, which already load at another world size or ZeRO stage (DCP reshards on load)",
+            "Remove the key (or set it to false) and load the DCP checkpoint this backend wrote; convert a DeepSpeed "
+            "checkpoint with python -m glm45v_fsdp.tools.convert first.",
+        )
+    if "checkpoint" in ds:
+        report.ignore("checkpoint", "tunes DeepSpeed's checkpoint engine; checkpoints are DCP here")
 
 
 @dataclass(frozen=True)
@@ -564,8 +667,9 @@ def map_expert_parallel(ds: dict, world_size: int, dp: int, stage: int, report: 
     section, on = _enabled(ds, "expert_parallel")
     for key in section:
         if key not in ds_keys.EXPERT_PARALLEL_KEYS:
-            report.note(
-                f"'expert_parallel.{key}' is not an AutoEP key: DeepSpeed ignores it, and so does the translation."
+            report.unknown(
+                f"expert_parallel.{key}",
+                f"'expert_parallel.{key}' is not an AutoEP key: DeepSpeed ignores it, and so does the translation.",
             )
     size = as_int("expert_parallel.autoep_size", section.get("autoep_size", 1), minimum=1)
     locate = {key: section.get(key) for key in AUTOEP_LOCATING_KEYS} if on else {}
@@ -618,7 +722,8 @@ def map_expert_parallel(ds: dict, world_size: int, dp: int, stage: int, report: 
                 f"Leave it at {default!r} (or remove it); change the routing in the model config instead "
                 f"(model.config_overrides.text_config.*) if you must.",
             )
-    report.override("parallel.expert_parallel_size", size)
+    report.override("parallel.expert_parallel_size", size, source="expert_parallel.autoep_size")
+    report.mapped("expert_parallel.enabled", f"parallel.expert_parallel_size={size}")
     if stage == 0:
         if dp % size:
             raise key_error(

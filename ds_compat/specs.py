@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ds_compat import schedules
-from ds_compat._common import Report, as_bool, as_float, as_int, as_section, key_error, unknown_key_error
+from ds_compat._common import TAKEN, Report, as_bool, as_float, as_int, as_section, key_error, unknown_key_error
 from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.optim import OptimizerRecipe, make_optimizer, recipe_from_training
@@ -127,7 +127,7 @@ def optimizer_spec(section: Any, training: TrainingConfig, report: Report) -> Op
         if key == "legacy_fusion":
             report.ignore("optimizer.legacy_fusion")
         elif key not in ("type", "params"):
-            report.note(f"'optimizer.{key}' is not a DeepSpeed key: DeepSpeed ignores it, and so does the translation.")
+            report.unknown(f"optimizer.{key}")
     name = section.get("type")
     if name is None:
         report.ignore("optimizer")
@@ -152,7 +152,11 @@ def optimizer_spec(section: Any, training: TrainingConfig, report: Report) -> Op
         spec = _adam_spec(lower, name, params, report)
     else:
         spec = _torch_optimizer_spec(name, lower, params, report)
-    report.override("training.lr", spec.lr)
+    report.override("training.lr", spec.lr, source="optimizer.params.lr" if "lr" in params else None)
+    report.mapped("optimizer.type", f"torch.optim.{spec.type}")
+    for key in params:
+        if f"optimizer.params.{key}" not in report.answers:
+            report.mapped(f"optimizer.params.{key}", f"torch.optim.{spec.type}({key}=...)")
     return spec
 
 
@@ -199,10 +203,11 @@ def _adam_spec(lower: str, name: str, params: dict, report: Report) -> Optimizer
             report.ignore(path + key)
     if lower == "adamw" and "adam_w_mode" in params:
         report.ignore(path + "adam_w_mode")
-    report.override("training.adam_beta1", beta1)
-    report.override("training.adam_beta2", beta2)
-    report.override("training.adam_eps", kwargs["eps"])
-    report.override("training.weight_decay", kwargs["weight_decay"])
+    given = {key: f"{path}{key}" if key in params else None for key in ("betas", "eps", "weight_decay")}
+    report.override("training.adam_beta1", beta1, source=given["betas"])
+    report.override("training.adam_beta2", beta2, source=given["betas"])
+    report.override("training.adam_eps", kwargs["eps"], source=given["eps"])
+    report.override("training.weight_decay", kwargs["weight_decay"], source=given["weight_decay"])
     if not adam_w_mode and kwargs["weight_decay"] > 0:
         report.note(
             "optimizer Adam with adam_w_mode false applies L2 weight decay (torch.optim.Adam), not AdamW's decoupled "
@@ -226,6 +231,15 @@ def _torch_optimizer_spec(name: str, lower: str, params: dict, report: Report) -
             "cannot be honoured: 1-bit / 0-1 optimizers compress gradient communication inside DeepSpeed's engine "
             "(and DeepSpeed 0.19 no longer ships them)",
             "Use Adam, AdamW or a torch.optim optimizer.",
+        )
+    if lower == "muon":
+        raise key_error(
+            "optimizer.type",
+            name,
+            "cannot be honoured: DeepSpeed's Muon orthogonalises the update of each whole 2-D hidden weight and steps "
+            "every other parameter with AdamW (its engine tags the parameters, use_muon); torch.optim.Muon takes 2-D "
+            "parameters only and this backend's optimizer steps FSDP2 shards, not whole matrices",
+            "Use Adam or AdamW (or another torch.optim optimizer that steps any parameter).",
         )
     if lower in KERNEL_ONLY:
         raise key_error(
@@ -290,7 +304,7 @@ def scheduler_spec(section: Any, optimizer: OptimizerSpec, report: Report) -> Sc
     section = as_section("scheduler", section)
     for key in section:
         if key not in ("type", "params"):
-            report.note(f"'scheduler.{key}' is not a DeepSpeed key: DeepSpeed ignores it, and so does the translation.")
+            report.unknown(f"scheduler.{key}")
     name = section.get("type")
     if name is None:
         report.ignore("scheduler")
@@ -312,9 +326,16 @@ def scheduler_spec(section: Any, optimizer: OptimizerSpec, report: Report) -> Sc
             )
         report.ignore("scheduler.params.last_batch_iteration")
         params = {k: v for k, v in params.items() if k != "last_batch_iteration"}
-    if name in schedules.DS_SCHEDULERS:
-        return _deepspeed_schedule(name, params, optimizer, report)
-    return _torch_schedule(name, params, optimizer)
+    spec = (
+        _deepspeed_schedule(name, params, optimizer, report)
+        if name in schedules.DS_SCHEDULERS
+        else _torch_schedule(name, params, optimizer)
+    )
+    how = "DeepSpeed's schedule, step for step" if name in schedules.DS_SCHEDULERS else "replayed as DeepSpeed steps it"
+    report.take("scheduler.type", f"{name}: {how} (Translation.scheduler)")
+    for key in params:
+        report.answers.setdefault(f"scheduler.params.{key}", (TAKEN, f"{name}({key}=...)"))
+    return spec
 
 
 def _deepspeed_schedule(name: str, params: dict, optimizer: OptimizerSpec, report: Report) -> SchedulerSpec:
