@@ -91,3 +91,30 @@ def test_a_file_not_written_in_one_pass_is_read_back(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert on_write == integrity.checksums(tmp_path, sorted(tmp_path.iterdir()))
     assert (tmp_path / "patched.bin").read_bytes() == b"01xx456789"
+
+
+def test_a_rank_leaves_the_checkpoint_alone_once_its_checksums_part_is_written(tmp_path, monkeypatch):
+    """Rank 0 merges the parts and publishes (renames) the checkpoint as soon as the last rank's part is written:
+    that rank's save must not read the directory again (a loaded CI machine caught rank 1 stat-ing its RNG file after
+    the rename)."""
+    from glm45v_fsdp.checkpoint import dcp as dcp_checkpoint
+
+    tmp = tmp_path / "step_00000004.tmp"
+    rng = dcp_checkpoint.rng_file(tmp, 1)
+    rng.parent.mkdir(parents=True)
+    rng.write_bytes(b"r" * 10)
+    (tmp / "__1_0.distcp").write_bytes(b"s" * 20)
+    write_part = dcp_checkpoint.write_part
+
+    def write_part_then_publish(*args, **kwargs):
+        hashed = write_part(*args, **kwargs)
+        tmp.rename(tmp_path / "step_00000004")  # what rank 0 does once every part is there
+        return hashed
+
+    monkeypatch.setattr(dcp_checkpoint, "write_part", write_part_then_publish)
+    checkpointer = object.__new__(dcp_checkpoint.Checkpointer)  # rank 1's: no process group needed here
+    checkpointer.rank, checkpointer.world_size = 1, 2
+    checkpointer._checksums(tmp, WrittenDigests())
+    assert checkpointer.hashed[0] == 30
+    part = json.loads((tmp_path / "step_00000004" / integrity.PARTS_DIR / "rank1.json").read_text())
+    assert sorted(part) == ["__1_0.distcp", "rng/rank1.pt"]

@@ -679,9 +679,8 @@ class Checkpointer:
         if stored is not None:
             stored.result()
         started = time.perf_counter()
-        files = own_files(tmp, self.rank)
-        write_part(tmp, self.rank, files, written)
-        self.hashed = (sum(file.stat().st_size for file in files), time.perf_counter() - started)
+        hashed_bytes = write_part(tmp, self.rank, own_files(tmp, self.rank), written)
+        self.hashed = (hashed_bytes, time.perf_counter() - started)  # not from `tmp`: rank 0 may have published it
         if self.rank == 0:
             merge_parts(tmp, self.world_size)
 

@@ -63,10 +63,14 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(partial, path)
 
 
-def write_part(checkpoint: Path, rank: int, files: list[Path], written: WrittenDigests | None = None) -> None:
-    """This rank's checksums of the files it wrote into `checkpoint` (a save in progress)."""
+def write_part(checkpoint: Path, rank: int, files: list[Path], written: WrittenDigests | None = None) -> int:
+    """This rank's checksums of the files it wrote into `checkpoint` (a save in progress); returns their bytes.
+    Once the part is written, rank 0 may merge the parts and rename `checkpoint`: the caller must not touch its
+    files after this."""
     (checkpoint / PARTS_DIR).mkdir(exist_ok=True)
-    _write_json(checkpoint / PARTS_DIR / f"rank{rank}.json", checksums(checkpoint, files, written))
+    entries = checksums(checkpoint, files, written)
+    _write_json(checkpoint / PARTS_DIR / f"rank{rank}.json", entries)
+    return sum(entry["bytes"] for entry in entries.values())
 
 
 def merge_parts(checkpoint: Path, world_size: int, timeout_s: float = 600.0) -> None:
