@@ -616,30 +616,37 @@ def map_unsupported_features(ds: dict, report: Report) -> None:
         report.ignore("tensor_parallel")
     if "weight_quantization" in ds:
         raise _cannot("weight_quantization", ds["weight_quantization"], "quantized weights change the numerics")
-    compile_section = as_section("compile", ds.get("compile"))
-    if as_bool("compile.deepcompile", compile_section.get("deepcompile", False)):
-        raise _cannot(
-            "compile.deepcompile",
-            True,
-            "DeepCompile rewrites the compiled graph with DeepSpeed's own ZeRO passes (prefetch, selective gather, "
-            "offload), which have no FSDP2 counterpart",
-            "Remove the key (or set it to false); the FSDP2 units and features.recompute / activation_offload give "
-            "the memory savings.",
-        )
-    if "compile" in ds:
-        report.ignore("compile", "configures DeepCompile only, which is off")
-    checkpoint = as_section("checkpoint", ds.get("checkpoint"))
-    if as_bool("checkpoint.load_universal", checkpoint.get("load_universal", False)):
-        raise _cannot(
-            "checkpoint.load_universal",
-            True,
-            "it loads DeepSpeed's universal checkpoint (the folder ds_to_universal.py writes); this backend saves and "
-            "loads DCP checkpoints, which already load at another world size or ZeRO stage (DCP reshards on load)",
-            "Remove the key (or set it to false) and load the DCP checkpoint this backend wrote; convert a DeepSpeed "
-            "checkpoint with python -m glm45v_fsdp.tools.convert first.",
-        )
-    if "checkpoint" in ds:
-        report.ignore("checkpoint", "tunes DeepSpeed's checkpoint engine; checkpoints are DCP here")
+    _refuse_switch(
+        ds,
+        "compile.deepcompile",
+        "DeepCompile rewrites the compiled graph with DeepSpeed's own ZeRO passes (prefetch, selective gather, "
+        "offload), which have no FSDP2 counterpart",
+        "Remove the key (or set it to false); the FSDP2 units and features.recompute / activation_offload give the "
+        "memory savings.",
+        report,
+        off="configures DeepCompile only, which is off",
+    )
+    _refuse_switch(
+        ds,
+        "checkpoint.load_universal",
+        "it loads DeepSpeed's universal checkpoint (the folder ds_to_universal.py writes); this backend saves and "
+        "loads DCP checkpoints, which already load at another world size or ZeRO stage (DCP reshards on load)",
+        "Remove the key (or set it to false) and load the DCP checkpoint this backend wrote; convert a DeepSpeed "
+        "checkpoint with python -m glm45v_fsdp.tools.convert first.",
+        report,
+        off="tunes DeepSpeed's checkpoint engine; checkpoints are DCP here",
+    )
+
+
+def _refuse_switch(ds: dict, path: str, why: str, fix: str, report: Report, off: str) -> None:
+    """`section.switch: true` turns on a DeepSpeed feature with no FSDP2 counterpart: refused; the section with the
+    switch off has no effect here (`off` says why)."""
+    section_name, switch = path.split(".")
+    section = as_section(section_name, ds.get(section_name))
+    if as_bool(path, section.get(switch, False)):
+        raise _cannot(path, True, why, fix)
+    if section_name in ds:
+        report.ignore(section_name, off)
 
 
 @dataclass(frozen=True)
