@@ -473,7 +473,7 @@ def test_lora_bench_runs_both_configurations_alternating_and_counts_the_optimize
         order.append(name)
         commands[name] = command
         if not records:  # a DeepSpeed-API worker run (door vs DeepSpeed): its result.json
-            ms = 100.0 if name.startswith("deepspeed") else 25.0
+            ms = {"deepspeed": 100.0, "ds_compat": 25.0, "ddp": 20.0}[name.split()[0]]
             result = {"ms": [500.0] + [ms] * 3, "losses": [3.0, 2.9, 2.8, 2.7], "peak_bytes_max": 2.0**20}
             output_dir.mkdir(parents=True, exist_ok=True)
             (output_dir / "result.json").write_text(json.dumps(result))
@@ -487,9 +487,9 @@ def test_lora_bench_runs_both_configurations_alternating_and_counts_the_optimize
     out = tmp_path / "lora"
     argv = ["lora", "--steps", "3", "--warmup", "1", "--repeats", "2", "--hidden", "128", "--out", str(out)]
     assert bench.main([*argv, "--ds-rounds", "2", "--ds-steps", "4"]) == 0
-    assert order == ["full", "lora", "lora", "full", "ds_compat lora 0", "deepspeed lora 0", "deepspeed lora 1",
-                     "ds_compat lora 1"]  # fmt: skip
-    for side in ("ds_compat", "deepspeed"):  # one script, one ds_config: PEFT's LoRA model, ZeRO 3, autoep over all
+    assert order == ["full", "lora", "lora", "full", "ds_compat lora 0", "deepspeed lora 0", "ddp lora 0",
+                     "ddp lora 1", "deepspeed lora 1", "ds_compat lora 1"]  # fmt: skip
+    for side in ("ds_compat", "deepspeed", "ddp"):  # one script, one ds_config: PEFT's LoRA, ZeRO 3, autoep over all
         command = " ".join(commands[f"{side} lora 0"])
         assert f"--backend={side}" in command and "--zero=3" in command and "--lora=8" in command
         assert '"autoep_size": 2' in command
@@ -504,6 +504,8 @@ def test_lora_bench_runs_both_configurations_alternating_and_counts_the_optimize
     assert result["saving_max_pct"] == pytest.approx(50.0) and result["speedup"] == pytest.approx(1.5)
     versus = result["vs_deepspeed"]
     assert versus["speed_ratio"] == pytest.approx(4.0) and versus["pass"] and versus["loss_mean_rel_err"] == 0.0
+    assert versus["ddp_speed_ratio"] == pytest.approx(5.0) and versus["ms_per_step"]["ddp"] == pytest.approx(20.0)
+    assert "DeepSpeed ms / torch DDP ms: 5.00" in (out / "lora.md").read_text()
 
 
 def test_router_bench_compares_balancing_against_none_from_the_router_figures(tmp_path, monkeypatch):

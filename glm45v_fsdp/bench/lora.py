@@ -13,7 +13,9 @@ it): the DeepSpeed-API worker of `bench deepspeed` (bench/deepspeed_api_worker.p
 target_parameters), ZeRO 3 and `expert_parallel.autoep_size` = the ranks in one ds_config. The real DeepSpeed trains
 it with its generic ZeRO 3 (its AutoEP finds no MoE layer in a PEFT model and says so); `ds-fsdp` builds it on the
 plan registry with EP. Figures: median ms/step per run after `--warmup`, DeepSpeed ms / door ms per round, the loss
-error of the door against DeepSpeed, each side's peak of live tensor bytes per rank.
+error of the door against DeepSpeed, each side's peak of live tensor bytes per rank. torch DDP runs the same script in
+the same rotation (`--backend ddp`: the whole model on every rank, only the adapters' gradients all-reduced), the floor
+of a data-parallel step on it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ DESCRIPTION = "Full fine-tuning and LoRA, each a real training run, alternating 
 
 MIB = 2**20
 ADAM_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq in fp32 (the step tensors are left out: 4 bytes per tensor)
-DS_SIDES = ("ds_compat", "deepspeed")  # the door (ds-fsdp) and the real DeepSpeed, on the same worker script
+DS_SIDES = ("ds_compat", "deepspeed", "ddp")  # the door (ds-fsdp), the real DeepSpeed and torch DDP, one script
 DS_SPEED_GOAL = 3.0  # DeepSpeed ms / door ms
 DS_PARITY_LIMIT = 1e-5  # fp32 mean relative loss error, door vs DeepSpeed
 
@@ -84,6 +86,7 @@ def door_vs_deepspeed(args: argparse.Namespace, runner: Runner) -> dict[str, Any
             results[side].append(run.results[0])
     ms = {side: [statistics.median(r["ms"][args.warmup :]) for r in results[side]] for side in DS_SIDES}
     ratios = [reference / door for reference, door in zip(ms["deepspeed"], ms["ds_compat"])]
+    ddp_ratios = [reference / ddp for reference, ddp in zip(ms["deepspeed"], ms["ddp"])]
     loss_error = errors(results["ds_compat"][0]["losses"], results["deepspeed"][0]["losses"])["mean_rel"]
     ratio = statistics.median(ratios)
     return {
@@ -91,6 +94,8 @@ def door_vs_deepspeed(args: argparse.Namespace, runner: Runner) -> dict[str, Any
         "ms_per_round": ms,
         "ratio_per_round": ratios,
         "speed_ratio": ratio,
+        "ddp_ratio_per_round": ddp_ratios,
+        "ddp_speed_ratio": statistics.median(ddp_ratios),
         "peak_mib": {side: max(r["peak_bytes_max"] for r in results[side]) / MIB for side in DS_SIDES},
         "loss_mean_rel_err": loss_error,
         "goal": f">= {DS_SPEED_GOAL}x DeepSpeed, loss error <= {DS_PARITY_LIMIT}",
@@ -168,11 +173,18 @@ def markdown(result: dict[str, Any]) -> str:
             f"- DeepSpeed ms / door ms: {versus['speed_ratio']:.2f} (per round "
             f"{', '.join(f'{r:.2f}' for r in versus['ratio_per_round'])}); loss error door vs DeepSpeed "
             f"{versus['loss_mean_rel_err']:.2e}; goal {versus['goal']}: {'pass' if versus['pass'] else 'MISSED'}",
+            f"- DeepSpeed ms / torch DDP ms: {versus['ddp_speed_ratio']:.2f} (per round "
+            f"{', '.join(f'{r:.2f}' for r in versus['ddp_ratio_per_round'])}): DDP replicates the whole model and "
+            "exchanges only the adapters' gradients, the least any data-parallel step of this script can cost",
         ]
     return "\n".join(lines) + "\n"
 
 
-DS_NAMES = {"ds_compat": "ds-fsdp door (plan registry, EP)", "deepspeed": "DeepSpeed (ZeRO 3, generic)"}
+DS_NAMES = {
+    "ds_compat": "ds-fsdp door (plan registry, EP)",
+    "deepspeed": "DeepSpeed (ZeRO 3, generic)",
+    "ddp": "torch DDP (no sharding, no EP; floor)",
+}
 
 
 def add_parser(sub: Any) -> None:
