@@ -113,7 +113,8 @@ class Report:
 
     def override(self, key: str, value: Any, source: str | None = None) -> None:
         """Set our config key `key` to `value`; a key set again moves to the end (the order the report shows).
-        `source`: the ds_config key it comes from, which is then answered as mapped onto it."""
+        `source`: the ds_config key it comes from (or would, when given), which is then answered as mapped onto it;
+        the key table walks the ds_config, so the answer of a key it does not hold is never shown."""
         self.fields.pop(key, None)
         self.fields[key] = value
         if source is not None:

@@ -432,14 +432,8 @@ def translate(
             f"sequence_parallel_size {sp}: Ulysses context parallelism over {sp} ranks (each sequence split {sp} "
             f"ways, all-to-all around attention); {dp} data-parallel rank(s) see different data."
         )
-    report.override(
-        "training.micro_batch_size", batch.micro_batch_size, source=MICRO_BATCH if MICRO_BATCH in ds else None
-    )
-    report.override(
-        "training.gradient_accumulation_steps",
-        batch.gradient_accumulation_steps,
-        source=ACCUMULATION if ACCUMULATION in ds else None,
-    )
+    report.override("training.micro_batch_size", batch.micro_batch_size, source=MICRO_BATCH)
+    report.override("training.gradient_accumulation_steps", batch.gradient_accumulation_steps, source=ACCUMULATION)
     if TRAIN_BATCH in ds:
         report.take(TRAIN_BATCH, f"{batch.train_batch_size} = micro x accumulation x data-parallel size, as checked")
     stage = sections.map_zero(ds, dp, report)

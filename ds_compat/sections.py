@@ -275,9 +275,8 @@ def map_zero(ds: dict, dp: int, report: Report) -> int:
         if key in ds_keys.ZERO_NO_EFFECT:
             report.ignore(f"zero_optimization.{key}", "tunes DeepSpeed's own buckets, streams, partitioning or saving")
 
-    stage_key = "zero_optimization.stage" if "stage" in zero else None
-    report.override("parallel.data_parallel_replicate_size", dp if stage == 0 else 1, source=stage_key)
-    report.override("parallel.fsdp_plan.reshard_after_forward", stage == 3, source=stage_key)
+    report.override("parallel.data_parallel_replicate_size", dp if stage == 0 else 1, source="zero_optimization.stage")
+    report.override("parallel.fsdp_plan.reshard_after_forward", stage == 3, source="zero_optimization.stage")
     unit_mib, bucket_keys = _unit_mib(zero, stage, report)
     report.override("parallel.fsdp_plan.unit_mib", unit_mib)
     for key in bucket_keys:
@@ -342,19 +341,13 @@ def map_fp16(fp16: dict, report: Report) -> None:
             "must be > 0 for dynamic loss scaling, as DeepSpeed says",
             "Write a positive number.",
         )
-
-    def given(key: str) -> str | None:
-        return f"fp16.{key}" if key in fp16 else None
-
-    report.override("training.loss_scale.static_scale", static, source=given("loss_scale"))
+    report.override("training.loss_scale.static_scale", static, source="fp16.loss_scale")
     if static == 0:
-        report.override("training.loss_scale.initial_scale_power", power, source=given("initial_scale_power"))
-        report.override("training.loss_scale.window", window, source=given("loss_scale_window"))
-        report.override("training.loss_scale.hysteresis", hysteresis, source=given("hysteresis"))
-        report.override(
-            "training.loss_scale.consecutive_hysteresis", consecutive, source=given("consecutive_hysteresis")
-        )
-        report.override("training.loss_scale.min_scale", floor, source=given("min_loss_scale"))
+        report.override("training.loss_scale.initial_scale_power", power, source="fp16.initial_scale_power")
+        report.override("training.loss_scale.window", window, source="fp16.loss_scale_window")
+        report.override("training.loss_scale.hysteresis", hysteresis, source="fp16.hysteresis")
+        report.override("training.loss_scale.consecutive_hysteresis", consecutive, source="fp16.consecutive_hysteresis")
+        report.override("training.loss_scale.min_scale", floor, source="fp16.min_loss_scale")
     else:
         for key in ds_keys.FP16_SCALING_KEYS[1:]:
             if key in fp16:
@@ -426,8 +419,7 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
             if key not in mapped[name]:
                 report.ignore(f"{name}.{key}")
     if bf16_on and as_bool(f"{bf16_key}.check_grad_overflow", bf16.get("check_grad_overflow", True)):
-        check = f"{bf16_key}.check_grad_overflow" if "check_grad_overflow" in bf16 else None
-        report.override("training.on_nonfinite", "skip", source=check)
+        report.override("training.on_nonfinite", "skip", source=f"{bf16_key}.check_grad_overflow")
         report.note(
             "bf16 check_grad_overflow (DeepSpeed's default) -> training.on_nonfinite=skip; DeepSpeed skips without "
             "limit, the trainer stops after training.max_skipped_steps skipped steps.",
@@ -440,11 +432,7 @@ def map_precision(ds: dict, stage: int, report: Report) -> str:
         )
     comm = ds.get("communication_data_type")
     if comm is None:
-        report.override(
-            "parallel.fsdp_plan.reduce_dtype",
-            "fp32",
-            source="communication_data_type" if "communication_data_type" in ds else None,
-        )
+        report.override("parallel.fsdp_plan.reduce_dtype", "fp32", source="communication_data_type")
         if precision != "fp32":
             report.note(
                 f"gradient reduction in fp32: DeepSpeed reduces {precision} gradients in {precision} unless "
@@ -485,7 +473,7 @@ def map_clipping(ds: dict, report: Report) -> float:
     if clip < 0:
         report.note(f"gradient_clipping = {clip} < 0 disables clipping in DeepSpeed; training.clip_grad=0 does here.")
         clip = 0.0
-    report.override("training.clip_grad", clip, source="gradient_clipping" if "gradient_clipping" in ds else None)
+    report.override("training.clip_grad", clip, source="gradient_clipping")
     return clip
 
 
@@ -515,7 +503,7 @@ def map_logging(ds: dict, report: Report) -> float:
         )
     if "tensorboard" in ds:
         section, on = _enabled(ds, "tensorboard")
-        report.override("training.tensorboard", on, source="tensorboard.enabled" if "enabled" in section else None)
+        report.override("training.tensorboard", on, source="tensorboard.enabled")
         for key in ("output_path", "job_name"):
             if key in section:
                 report.ignore(f"tensorboard.{key}", "events go to <training.output_dir>/tensorboard")

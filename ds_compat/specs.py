@@ -152,7 +152,7 @@ def optimizer_spec(section: Any, training: TrainingConfig, report: Report) -> Op
         spec = _adam_spec(lower, name, params, report)
     else:
         spec = _torch_optimizer_spec(name, lower, params, report)
-    report.override("training.lr", spec.lr, source="optimizer.params.lr" if "lr" in params else None)
+    report.override("training.lr", spec.lr, source="optimizer.params.lr")
     report.mapped("optimizer.type", f"torch.optim.{spec.type}")
     for key in params:
         if f"optimizer.params.{key}" not in report.answers:
@@ -203,11 +203,10 @@ def _adam_spec(lower: str, name: str, params: dict, report: Report) -> Optimizer
             report.ignore(path + key)
     if lower == "adamw" and "adam_w_mode" in params:
         report.ignore(path + "adam_w_mode")
-    given = {key: f"{path}{key}" if key in params else None for key in ("betas", "eps", "weight_decay")}
-    report.override("training.adam_beta1", beta1, source=given["betas"])
-    report.override("training.adam_beta2", beta2, source=given["betas"])
-    report.override("training.adam_eps", kwargs["eps"], source=given["eps"])
-    report.override("training.weight_decay", kwargs["weight_decay"], source=given["weight_decay"])
+    report.override("training.adam_beta1", beta1, source=f"{path}betas")
+    report.override("training.adam_beta2", beta2, source=f"{path}betas")
+    report.override("training.adam_eps", kwargs["eps"], source=f"{path}eps")
+    report.override("training.weight_decay", kwargs["weight_decay"], source=f"{path}weight_decay")
     if not adam_w_mode and kwargs["weight_decay"] > 0:
         report.note(
             "optimizer Adam with adam_w_mode false applies L2 weight decay (torch.optim.Adam), not AdamW's decoupled "
