@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,30 +41,21 @@ class StepOutcome:
 SkipHandler = Callable[[float | None, StepOutcome], None]
 
 
+@dataclass(eq=False)  # identity, not field-wise equality
 class OptimizerStep:
-    def __init__(
-        self,
-        parameters: list[nn.Parameter],
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any = None,
-        clip: float = 0.0,
-        scaler: LossScaler | None = None,
-        hsdp_root: FSDPModule | None = None,
-        on_skip: SkipHandler | None = None,
-        router: RouterMonitor | None = None,
-    ) -> None:
-        """`parameters`: the trainable ones, in the order the norm sums them; `hsdp_root`: the FSDP root module of
-        an HSDP model (None otherwise); `on_skip(loss, outcome)` is called for a skipped step; `router`: the model's
-        router monitor (None without MoE layers)."""
-        self.parameters = parameters
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.clip = clip
-        self.scaler = scaler
-        self.hsdp_root = hsdp_root
-        self.on_skip = on_skip
-        self.router = router
-        self.post_backward_hooks: list[Callable[[], None]] = []
+    """`parameters`: the trainable ones, in the order the norm sums them; `hsdp_root`: the FSDP root module of an HSDP
+    model (None otherwise); `on_skip(loss, outcome)` is called for a skipped step; `router`: the model's router
+    monitor (None without MoE layers)."""
+
+    parameters: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    clip: float = 0.0
+    scaler: LossScaler | None = None
+    hsdp_root: FSDPModule | None = None
+    on_skip: SkipHandler | None = None
+    router: RouterMonitor | None = None
+    post_backward_hooks: list[Callable[[], None]] = field(default_factory=list, init=False)
 
     @property
     def loss_scale(self) -> float:
