@@ -127,13 +127,19 @@ def directory_reader(root: Path) -> Reader:
     return read
 
 
+def _python_files(tar: tarfile.TarFile, depth: int) -> dict[str, str]:
+    """The .py files of the `deepspeed` package in `tar`, whose members name it at path part `depth` - 1, by their
+    path under it."""
+    return {
+        str(PurePosixPath(*PurePosixPath(m.name).parts[depth:])): tar.extractfile(m).read().decode("utf-8")
+        for m in tar.getmembers()
+        if m.isfile() and m.name.endswith(".py") and PurePosixPath(m.name).parts[depth - 1 : depth] == ("deepspeed",)
+    }
+
+
 def sdist_reader(archive: Path) -> Reader:
     with tarfile.open(archive) as tar:
-        files = {
-            str(PurePosixPath(*PurePosixPath(m.name).parts[2:])): tar.extractfile(m).read().decode("utf-8")
-            for m in tar.getmembers()
-            if m.isfile() and m.name.endswith(".py") and PurePosixPath(m.name).parts[1:2] == ("deepspeed",)
-        }
+        files = _python_files(tar, depth=2)  # <name>/deepspeed/...
     if "runtime/config.py" not in files:
         raise ValueError(f"'{archive}' is not a DeepSpeed sdist (no <name>/deepspeed/runtime/config.py).")
     return files.get
@@ -146,12 +152,7 @@ def git_reader(git_dir: Path, rev: str) -> Reader:
     if listing.returncode:
         raise ValueError(f"git archive of '{rev}' in '{git_dir}' failed: {listing.stderr.decode().strip()}")
     with tarfile.open(fileobj=io.BytesIO(listing.stdout)) as tar:
-        files = {
-            str(PurePosixPath(*PurePosixPath(m.name).parts[1:])): tar.extractfile(m).read().decode("utf-8")
-            for m in tar.getmembers()
-            if m.isfile() and m.name.endswith(".py")
-        }
-    return files.get
+        return _python_files(tar, depth=1).get  # deepspeed/...
 
 
 def reader_for(path: str) -> Reader:
@@ -352,6 +353,7 @@ def _function_scopes(tree: ast.Module, scope: dict[str, Any]) -> Iterator[tuple[
 def _reads(tree: ast.Module, scope: dict[str, Any], dicts: dict[str, str]) -> Iterator[tuple[str, Any]]:
     """(key path, default) of every read of a config dict in `tree` (`dicts`: which expression holds which path)."""
     for function, local in _function_scopes(tree, scope):
+        named = {**dicts, **{k.partition(":")[2]: v for k, v in dicts.items() if k.startswith(f"{function.name}:")}}
         for node in ast.walk(function):
             target = key_node = default_node = None
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
@@ -367,7 +369,6 @@ def _reads(tree: ast.Module, scope: dict[str, Any], dicts: dict[str, str]) -> It
             elif isinstance(node, ast.Subscript):
                 target, key_node = node.value, node.slice
             key = None if target is None else _constant(key_node, local)
-            named = {**dicts, **{k.partition(":")[2]: v for k, v in dicts.items() if k.startswith(f"{function.name}:")}}
             base = None if key is None or not key.isidentifier() else _dict_path(target, local, named)
             if base is None or base[-1:] == [key]:  # a section reading its own name looks the section up
                 continue

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ds_compat import schedules
-from ds_compat._common import TAKEN, Report, as_bool, as_float, as_int, as_section, key_error, unknown_key_error
+from ds_compat._common import Report, as_bool, as_float, as_int, as_section, key_error, unknown_key_error
 from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.optim import OptimizerRecipe, make_optimizer, recipe_from_training
@@ -333,7 +333,8 @@ def scheduler_spec(section: Any, optimizer: OptimizerSpec, report: Report) -> Sc
     how = "DeepSpeed's schedule, step for step" if name in schedules.DS_SCHEDULERS else "replayed as DeepSpeed steps it"
     report.take("scheduler.type", f"{name}: {how} (Translation.scheduler)")
     for key in params:
-        report.answers.setdefault(f"scheduler.params.{key}", (TAKEN, f"{name}({key}=...)"))
+        if f"scheduler.params.{key}" not in report.answers:
+            report.take(f"scheduler.params.{key}", f"{name}({key}=...)")
     return spec
 
 
