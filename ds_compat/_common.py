@@ -138,6 +138,11 @@ class Report:
         """ds_config key `path` is mapped onto our equivalent, `how`."""
         self.answers[path] = (MAPPED, how)
 
+    def answer_params(self, section: str, params: Iterable[str], kind: str, callee: str) -> None:
+        """Each `section.params.<key>` not answered yet: `kind` (taken or mapped), an argument of `callee`."""
+        for key in params:
+            self.answers.setdefault(f"{section}.params.{key}", (kind, f"{callee}({key}=...)"))
+
     def ignore(self, path: str, why: str = "") -> None:
         """ds_config key `path` (a whole section: every key in it) has no effect on the FSDP2 backend."""
         if path not in self.no_effect:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ds_compat import schedules
-from ds_compat._common import Report, as_bool, as_float, as_int, as_section, key_error, unknown_key_error
+from ds_compat._common import MAPPED, TAKEN, Report, as_bool, as_float, as_int, as_section, key_error, unknown_key_error
 from glm45v_fsdp.config import TrainingConfig
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.optim import OptimizerRecipe, make_optimizer, recipe_from_training
@@ -154,9 +154,7 @@ def optimizer_spec(section: Any, training: TrainingConfig, report: Report) -> Op
         spec = _torch_optimizer_spec(name, lower, params, report)
     report.override("training.lr", spec.lr, source="optimizer.params.lr")
     report.mapped("optimizer.type", f"torch.optim.{spec.type}")
-    for key in params:
-        if f"optimizer.params.{key}" not in report.answers:
-            report.mapped(f"optimizer.params.{key}", f"torch.optim.{spec.type}({key}=...)")
+    report.answer_params("optimizer", params, MAPPED, f"torch.optim.{spec.type}")
     return spec
 
 
@@ -332,9 +330,7 @@ def scheduler_spec(section: Any, optimizer: OptimizerSpec, report: Report) -> Sc
     )
     how = "DeepSpeed's schedule, step for step" if name in schedules.DS_SCHEDULERS else "replayed as DeepSpeed steps it"
     report.take("scheduler.type", f"{name}: {how} (Translation.scheduler)")
-    for key in params:
-        if f"scheduler.params.{key}" not in report.answers:
-            report.take(f"scheduler.params.{key}", f"{name}({key}=...)")
+    report.answer_params("scheduler", params, TAKEN, name)
     return spec
 
 
