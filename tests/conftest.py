@@ -90,10 +90,23 @@ def free_port() -> int:
 
 
 def clean_env() -> dict[str, str]:
-    """The environment of a child process: the parent's launcher variables must not leak into it; one CPU thread."""
+    """The environment of a child process: the parent's launcher variables must not leak into it; one CPU thread;
+    faulthandler on, so that a rank killed by a fatal signal (SIGSEGV, SIGABRT...) prints every thread's Python
+    stack to its stderr (`failure_output` keeps it in a test's message)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "SLURM_"))}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     return env
+
+
+FATAL_REPORT = "Fatal Python error:"
+
+
+def failure_output(stdout: str, stderr: str, tail: int = 5000) -> str:
+    """A failed job's output for an assertion message: the ends of stdout and stderr and, first, the report of any
+    rank that died of a fatal signal (faulthandler's), which the other ranks' tracebacks would push out of the end."""
+    start = stderr.find(FATAL_REPORT)
+    fatal = stderr[start : start + tail] + "\n[...]\n" if start >= 0 else ""
+    return f"{fatal}{stdout[-3000:]}\n{stderr[-tail:]}"
 
 
 def torchrun(nproc: int, *target: str) -> list[str]:
@@ -236,7 +249,7 @@ def spawn(worker: Callable[..., None], args: tuple = (), nprocs: int = 1, timeou
     command = [f"spawn {worker.__module__}.{worker.__name__} x{nprocs}"]
     result = Zygote.session().run(target, list(args), nprocs, clean_env(), timeout, command)
     assert result.returncode == 0, (
-        f"{command[0]} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        f"{command[0]} exited {result.returncode}:\n{failure_output(result.stdout, result.stderr)}"
     )
 
 

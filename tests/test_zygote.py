@@ -7,7 +7,7 @@ import os
 import textwrap
 import time
 
-from conftest import Zygote, clean_env, python
+from conftest import FATAL_REPORT, Zygote, clean_env, failure_output, python
 
 
 def script(tmp_path, body: str) -> str:
@@ -54,3 +54,25 @@ def test_a_failing_rank_ends_its_job_as_torchrun_does(tmp_path):
     result = python([script(tmp_path, body)], nproc=2)
     assert result.returncode == 5 and time.monotonic() - started < 20
     assert sorted(result.stdout.split("\n")[:2]) == ["0 2 127.0.0.1", "1 2 127.0.0.1"]
+
+
+def test_a_crashing_rank_shows_where_it_crashed(tmp_path):
+    """A rank killed by SIGSEGV prints its Python stack (faulthandler), and the failure message keeps that report
+    even when the other ranks' tracebacks fill the end of stderr."""
+    body = """
+        import ctypes, os, signal, sys, time
+        def crash_here():
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
+        if os.environ["RANK"] == "1":
+            time.sleep(1)
+            crash_here()
+        # rank 0 writes a long message when the launcher's SIGTERM ends it, after rank 1's report
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit("rank 0's long traceback " + "x" * 20000))
+        time.sleep(60)
+    """
+    result = python([script(tmp_path, body)], nproc=2)
+    assert result.returncode == -11, result
+    assert FATAL_REPORT in result.stderr and "in crash_here" in result.stderr
+    assert "in crash_here" not in result.stderr[-5000:]  # the end of stderr is rank 0's message
+    message = failure_output(result.stdout, result.stderr)
+    assert message.startswith(FATAL_REPORT) and "in crash_here" in message[:5000]
