@@ -63,9 +63,11 @@ setup(
         # charts (tests/test_chart.py, tests/test_bench.py); trl: TRL's SFTTrainer through the DeepSpeed door
         # (tests/test_glm_door_trl.py); av: the video decoding tests (tests/test_video_decode.py builds its files with
         # PyAV 18's encoder API); datasets: data.dataset=hf (tests/test_hf_datasets.py); peft: the reference LoRA
-        # runs and adapter files are compared with (tests/test_lora.py)
+        # runs and adapter files are compared with (tests/test_lora.py); pytest-rerunfailures: a test whose process
+        # crashed beneath Python runs once more (tests/conftest.py RankCrashed)
         "test": [
             "pytest>=8,<10",
+            "pytest-rerunfailures>=14,<17",
             "ruff>=0.5",
             "tensorboard>=2.14",
             "accelerate>=1.10,<2",

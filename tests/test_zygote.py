@@ -7,7 +7,8 @@ import os
 import textwrap
 import time
 
-from conftest import FATAL_REPORT, Zygote, clean_env, failure_output, python
+import pytest
+from conftest import FATAL_REPORT, RankCrashed, Zygote, clean_env, python
 
 
 def script(tmp_path, body: str) -> str:
@@ -57,8 +58,8 @@ def test_a_failing_rank_ends_its_job_as_torchrun_does(tmp_path):
 
 
 def test_a_crashing_rank_shows_where_it_crashed(tmp_path):
-    """A rank killed by SIGSEGV prints its Python stack (faulthandler), and the failure message keeps that report
-    even when the other ranks' tracebacks fill the end of stderr."""
+    """A rank killed by SIGSEGV prints its Python stack (faulthandler) and the job raises RankCrashed, whose message
+    starts with that report even when the other ranks' output fills the end of stderr."""
     body = """
         import ctypes, os, signal, sys, time
         def crash_here():
@@ -67,12 +68,18 @@ def test_a_crashing_rank_shows_where_it_crashed(tmp_path):
             time.sleep(1)
             crash_here()
         # rank 0 writes a long message when the launcher's SIGTERM ends it, after rank 1's report
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit("rank 0's long traceback " + "x" * 20000))
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit("rank 0's long message " + "x" * 20000))
         time.sleep(60)
     """
-    result = python([script(tmp_path, body)], nproc=2)
-    assert result.returncode == -11, result
-    assert FATAL_REPORT in result.stderr and "in crash_here" in result.stderr
-    assert "in crash_here" not in result.stderr[-5000:]  # the end of stderr is rank 0's message
-    message = failure_output(result.stdout, result.stderr)
-    assert message.startswith(FATAL_REPORT) and "in crash_here" in message[:5000]
+    with pytest.raises(RankCrashed) as crashed:
+        python([script(tmp_path, body)], nproc=2)
+    message = str(crashed.value)
+    assert "exited -11, a process died beneath Python" in message.splitlines()[0]
+    assert message.splitlines()[1].startswith(FATAL_REPORT) and "in crash_here" in message[:5000]
+    assert message.endswith("x" * 100 + "\n")  # and the end of stderr: rank 0's message
+
+
+def test_a_test_that_met_a_crash_runs_once_more(request):
+    """Every test carries the rerun marker, for RankCrashed only (the plugin matches the exception's name)."""
+    marker = request.node.get_closest_marker("flaky")
+    assert marker is not None and marker.kwargs == {"reruns": 1, "only_rerun": ["RankCrashed"]}
