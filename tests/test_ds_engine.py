@@ -29,8 +29,8 @@ from torch import nn
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from conftest import check_not_crashed, free_port, python  # noqa: E402
 from conftest import clean_env as train_env  # noqa: E402
-from conftest import free_port, python  # noqa: E402
 
 import ds_compat  # noqa: E402
 from ds_compat import comm  # noqa: E402
@@ -90,6 +90,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
                 text=True,
                 timeout=600,
             )
+            check_not_crashed(result)
             assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
         return {**json.loads(out.read_text()), "save_dir": str(root / "ck")}
 

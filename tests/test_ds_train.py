@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PARITY, clean_env, free_port, read_metrics, train, trainer
+from conftest import PARITY, check_not_crashed, clean_env, free_port, read_metrics, train, trainer
 
 from ds_compat.config import translate
 
@@ -130,6 +130,7 @@ def test_real_deepspeed_launcher_and_ds_fsdp_run_the_trainer(tmp_path):
             "training.progress_bar=false",
         ]
         result = subprocess.run(command, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)
+        check_not_crashed(result)
         assert result.returncode == 0, (name, result.stdout[-2000:], result.stderr[-3000:])
         runs[name] = read_metrics(out)
         assert [r["step"] for r in runs[name]] == list(range(1, 7))

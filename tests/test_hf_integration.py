@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import EXTENSIONS_DIR, REPO, clean_env, end_worker, free_port, spawn
+from conftest import EXTENSIONS_DIR, REPO, check_not_crashed, clean_env, end_worker, free_port, spawn
 from conftest import python as forked_python
 from torch.distributed.tensor import DTensor
 
@@ -71,6 +71,7 @@ def mean_relative_error(test: list[float], reference: list[float]) -> float:
 
 def run(command: list[str], environ: dict[str, str], cwd: Path = REPO) -> subprocess.CompletedProcess:
     result = subprocess.run(command, cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
+    check_not_crashed(result)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PARITY, REPO, clean_env, free_port, read_metrics, train
+from conftest import PARITY, REPO, check_not_crashed, clean_env, free_port, read_metrics, train
 
 STEPS = 10
 BASE = [*[o for o in PARITY if not o.startswith("training.train_iters")], f"training.train_iters={STEPS}"]
@@ -71,6 +71,7 @@ def test_torchrun_restart_resumes_by_itself(tmp_path, straight):
     command += [f"training.save={save}", "training.save_interval=4", "training.resume=auto"]
     env = {**clean_env(), "GLM45V_FAULT": f"1:5:sigkill:{marker}"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    check_not_crashed(result)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
     assert marker.exists() and "injecting sigkill on rank 1 at step 5" in log
