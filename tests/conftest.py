@@ -139,6 +139,20 @@ def pytest_collection_modifyitems(config, items) -> None:
         item.add_marker(pytest.mark.flaky(reruns=1, only_rerun=[RankCrashed.__name__]))
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Each test that a crash beneath Python made run once more, with the crashed process's report: a crash the
+    rerun absorbed is still seen (pytest -q shows it only as an `R`)."""
+    reruns = terminalreporter.stats.get("rerun", [])
+    if not reruns:
+        return
+    terminalreporter.section("crashes beneath Python, each absorbed by a rerun of its test")
+    for report in reruns:
+        text = str(report.longrepr)
+        start = text.find(FATAL_REPORT)
+        terminalreporter.line(f"{report.nodeid} ({report.when}):")
+        terminalreporter.line(text[start : start + 3000] if start >= 0 else text[-3000:])
+
+
 def torchrun(nproc: int, *target: str) -> list[str]:
     """torchrun on `nproc` local ranks with a free rendezvous port, running `target` (a script or -m module)."""
     return [
