@@ -112,7 +112,7 @@ def failure_output(stdout: str, stderr: str, tail: int = 5000) -> str:
 class RankCrashed(AssertionError):
     """A job's process died beneath Python (SIGSEGV, SIGABRT...: faulthandler's report is in its stderr). The
     project's code is all Python, so this is a crash inside a library's C/C++ code (on CPU under torch 2.13: heap
-    corruption in a gloo all-gather's wait, a SIGSEGV in an expert-parallel worker; README, "tests"). A test that
+    corruption in a gloo all-gather's wait, a SIGSEGV in an expert-parallel worker; README, "Layout"). A test that
     meets one is run once more (pytest_collection_modifyitems) and listed with the report after the run
     (pytest_terminal_summary); a second crash fails it."""
 
