@@ -93,17 +93,44 @@ def _worker(rank: int, port: int, out: str) -> None:
     sharded.grad = DTensor.from_local(torch.full((1,), 3.0 + rank), mesh, [Shard(0)])  # [3, 4]
     partial.grad = DTensor.from_local(torch.full((3,), 1.0), mesh, [Partial()])  # sums to [2, 2, 2]
     results["partial"] = grad_norm([sharded, partial])
+    results["two meshes"] = _norm_over_two_world_meshes(rank)
     with open(f"{out}.{rank}", "w") as handle:
         json.dump(results, handle)
     end_worker()
+
+
+def _norm_over_two_world_meshes(rank: int) -> dict:
+    """Gradients sharded over two meshes that each span both ranks (FSDP's and EP's at ep = dp = world size): the
+    norm is the full tensors' and their sums of squares travel in one all-reduce."""
+    fsdp_mesh = init_device_mesh("cpu", (2,))
+    ep_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("efsdp", "ep"))
+    dense, experts = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2, 3))
+    dense.grad = DTensor.from_local(torch.tensor([1.0, 2.0]) * (rank + 1), fsdp_mesh, [Shard(0)])  # [1, 2, 2, 4]
+    experts.grad = DTensor.from_local(torch.full((1, 3), 0.5 + rank), ep_mesh, [Shard(1), Shard(0)])  # 0.5s, 1.5s
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        norm = grad_norm([dense, experts])
+    finally:
+        dist.all_reduce = all_reduce
+    return {"norm": norm, "all_reduces": len(calls)}
 
 
 def test_local_shard_step_matches_dtensor_step(tmp_path):
     spawn(_worker, args=(free_port(), str(tmp_path / "result")), nprocs=2)
     for rank in range(2):
         results = json.loads((tmp_path / f"result.{rank}").read_text())
-        assert len(results) == len(MESHES) * len(OPTIMIZERS) + 2
+        assert len(results) == len(MESHES) * len(OPTIMIZERS) + 3
         for case, found in results.items():
+            if case == "two meshes":  # sqrt(1 + 4 + 4 + 16 + 3 * 0.25 + 3 * 2.25), one all-reduce
+                assert abs(found["norm"] - 32.5**0.5) < 1e-6 and found["all_reduces"] == 1, found
+                continue
             if case == "partial":  # a pending partial sum is left to DTensor's norm: sqrt(9 + 16 + 3 * 4)
                 assert abs(found - 37**0.5) < 1e-6, found
                 continue

@@ -7,7 +7,8 @@ ops, the norm and the clipping. None of these needs DTensor's semantics:
   - an elementwise optimizer (Adam, AdamW, SGD, ...) updates each element from that element's gradient and state,
     so stepping the local tensors updates exactly what stepping the DTensors does (in place, in the same storage);
   - the global L2 norm is the square root of the sum of the ranks' local sums of squares, each summed over the mesh
-    dimensions a tensor is sharded on (not the replicated ones), one all-reduce per group;
+    dimensions a tensor is sharded on (not the replicated ones), one all-reduce per group (one for all the groups
+    that span the whole job);
   - scaling gradients by a number is elementwise.
 Optimizer states stay DTensors between steps (DCP checkpoints, `get_optimizer_state_dict`): states the optimizer
 creates during a local step are wrapped as DTensors over the same storage. Optimizers that are not elementwise
@@ -57,13 +58,24 @@ def _dtensor_norm_squared(grads: list[torch.Tensor]) -> float:
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
 
 
+def _spans_world(mesh: Any, dims: tuple[int, ...]) -> bool:
+    """The reduction over `dims` is one group holding every rank of the job (the same group on every rank)."""
+    return len(dims) == 1 and mesh.size(dims[0]) == dist.get_world_size()
+
+
 def grad_norm(parameters: list[nn.Parameter]) -> float:
-    """Global L2 norm of the gradients of `parameters`: local sums of squares, reduced per (mesh, sharded dims)."""
+    """Global L2 norm of the gradients of `parameters`: local sums of squares, reduced per (mesh, sharded dims).
+
+    The sums of every (mesh, dims) whose reduction spans the whole job travel in one all-reduce (EP's expert stacks
+    and FSDP's other parameters at ep = dp = world size: one collective per step instead of two); the others, each
+    over its own groups."""
     by_key: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for param in parameters:
         if param.grad is not None:
             by_key[_reduction_key(param.grad)].append(param.grad)
     total = 0.0
+    world_sums: list[torch.Tensor] = []
+    world_group = None
     for key, grads in by_key.items():
         if key is None:
             total += _dtensor_norm_squared(grads)
@@ -71,9 +83,17 @@ def grad_norm(parameters: list[nn.Parameter]) -> float:
         mesh, dims = key
         norms = torch._foreach_norm([local(grad) for grad in grads], 2.0)
         squares = torch.stack([norm.float() for norm in norms]).square().sum()
+        if dims and _spans_world(mesh, dims):
+            world_sums.append(squares)
+            world_group = world_group or mesh.get_group(dims[0])
+            continue
         for dim in dims:
             dist.all_reduce(squares, group=mesh.get_group(dim))
         total += float(squares)
+    if world_sums:
+        summed = torch.stack(world_sums)
+        dist.all_reduce(summed, group=world_group)
+        total += sum(summed.tolist())
     return math.sqrt(total)
 
 
