@@ -25,7 +25,7 @@ rank keeps), P2P what a rank sends. Every figure is for A micro batches (gradien
   cp             per micro batch: the encoded image rows all-gathered (each rank's padded to the largest share) and
                  their gradient all-reduced; the loss summed once per step (8 bytes).
   dp, grad norm  the step's two data-parallel sums of scalars (16 bytes each) and the gradient norm's partial sums
-                 (4 bytes per sharded mesh dim).
+                 (4 bytes per sharded mesh dim; the sums of every reduction over the whole job in one all-reduce).
 """
 
 from __future__ import annotations
@@ -241,13 +241,21 @@ def reduction_traffic(specs: list[ParamSpec], dims: ParallelDims) -> list[Collec
     found = []
     if dims.dp > 1:
         found.append(Collective("dp", "all_reduce", "token counts, loss (float64 pairs)", 2, 2 * 2 * INT64, dims.dp))
-    norm_groups = []
-    if dims.fsdp_size > 1:
-        norm_groups.append(("fsdp", dims.fsdp_size))
+    # the gradient norm: per kind of sharded parameter, the mesh dims (family, size) its partial sum is reduced over
+    norm_keys = [[("fsdp", dims.fsdp_size)]] if dims.fsdp_size > 1 else []
     if any(spec.expert for spec in specs):
-        norm_groups += [(family, size) for family, size in (("efsdp", dims.efsdp), ("ep", dims.ep)) if size > 1]
-    for family, size in norm_groups:
-        found.append(Collective(family, "all_reduce", "gradient norm's partial sum", 1, FP32, size))
+        norm_keys.append([(family, size) for family, size in (("efsdp", dims.efsdp), ("ep", dims.ep)) if size > 1])
+    whole_job = [key for key in norm_keys if len(key) == 1 and key[0][1] == dims.world_size]
+    if whole_job:  # these partial sums travel together (local_shards.grad_norm)
+        family = whole_job[0][0][0]
+        found.append(
+            Collective(family, "all_reduce", "gradient norm's partial sums", 1, FP32 * len(whole_job), dims.world_size)
+        )
+    for key in norm_keys:
+        if key not in whole_job:
+            found += [
+                Collective(family, "all_reduce", "gradient norm's partial sum", 1, FP32, size) for family, size in key
+            ]
     return found
 
 
