@@ -5,9 +5,10 @@
     batch is reduce-scattered, so gradients stay sharded);
   - post-backward hooks (registered by plans that must touch the gradients before they are used, e.g. expert
     parallelism's replica reduction), run once per step;
-  - the global gradient norm, unscale (fp16), clipping to `clip` (0: off) and the optimizer step, on the local
-    shards of FSDP2's DTensors (glm45v_fsdp/parallel/local_shards.py: the same figures without DTensor's per-op
-    dispatch), unless the loss or the norm is non-finite; then the schedule;
+  - the global gradient norm (with the trainer's loss and token count summed over the data-parallel ranks in the
+    same all-reduce when both span the job), unscale (fp16), clipping to `clip` (0: off) and the optimizer step, on
+    the local shards of FSDP2's DTensors (glm45v_fsdp/parallel/local_shards.py: the same figures without DTensor's
+    per-op dispatch), unless the loss or the norm is non-finite; then the schedule;
   - a non-finite step is skipped and handed to `on_skip` (the door's policy: count, warn, or stop);
   - the MoE router monitor's step end (model/router_health.py): with features.router.bias_update_rate, the step's
     expert load summed over all ranks and each router's e_score_correction_bias updated from it (not after a skipped
@@ -41,6 +42,15 @@ class StepOutcome:
 SkipHandler = Callable[[float | None, StepOutcome], None]
 
 
+@dataclass(frozen=True)
+class DpSums:
+    """Scalars of the step to sum over the data-parallel ranks (`values`, float64, summed in place; `group` None: one
+    data-parallel rank, nothing to sum)."""
+
+    values: torch.Tensor
+    group: Any = None
+
+
 @dataclass(eq=False)  # identity, not field-wise equality
 class OptimizerStep:
     """`parameters`: the trainable ones, in the order the norm sums them; `hsdp_root`: the FSDP root module of an HSDP
@@ -67,13 +77,19 @@ class OptimizerStep:
         if self.hsdp_root is not None:
             self.hsdp_root.set_requires_all_reduce(last_of_step)
 
-    def finish(self, loss: float | None = None, scheduler_kwargs: dict | None = None) -> StepOutcome:
+    def finish(
+        self, loss: float | None = None, scheduler_kwargs: dict | None = None, dp_sums: DpSums | None = None
+    ) -> StepOutcome:
         """Norm, then unscale / clip / step / schedule, or skip; then the scaler's update and zero the gradients.
-        `loss`: the step's loss, if known (a non-finite one skips the step)."""
+        `loss`: the step's loss, if known (a non-finite one skips the step); `dp_sums`: the step's loss (first) and
+        other scalars, summed over the data-parallel ranks in the norm's all-reduce, the sum then being `loss`."""
         for hook in self.post_backward_hooks:
             hook()
         loss_scale = self.loss_scale
-        norm = grad_norm(self.parameters) / loss_scale
+        riders, group = (dp_sums.values, dp_sums.group) if dp_sums is not None else (None, None)
+        norm = grad_norm(self.parameters, riders, group) / loss_scale
+        if dp_sums is not None:
+            loss = float(dp_sums.values[0])
         stepped = (loss is None or math.isfinite(loss)) and math.isfinite(norm)
         outcome = StepOutcome(norm, stepped, loss_scale)
         if stepped:

@@ -51,7 +51,7 @@ from glm45v_fsdp.runtime.faults import Fault
 from glm45v_fsdp.runtime.preemption import EXIT_PREEMPTED, PreemptionWatch
 from glm45v_fsdp.runtime.profiling import StepProfiler
 from glm45v_fsdp.runtime.stuck import StepDeadline, start_step_deadline
-from glm45v_fsdp.step import OptimizerStep, StepOutcome
+from glm45v_fsdp.step import DpSums, OptimizerStep, StepOutcome
 
 Batch = dict[str, torch.Tensor]
 
@@ -359,8 +359,14 @@ class Trainer:
             objective.backward()
             report_loss += (ce_sum.detach() * scale).double()
         self.sequence_layout.reduce(report_loss)  # CP: each rank holds the CE of its part of the sequence
-        loss, tokens = self._dp_all_reduce([report_loss, local_tokens])
-        outcome = self.step_runner.finish(loss=loss)
+        sums = DpSums(
+            torch.stack(
+                [report_loss, torch.tensor(float(local_tokens), dtype=torch.float64, device=report_loss.device)]
+            ),
+            self.runtime.meshes.dp.get_group() if self.runtime.dp_size > 1 else None,
+        )  # summed in the gradient norm's all-reduce when the data-parallel ranks are the whole job
+        outcome = self.step_runner.finish(dp_sums=sums)
+        loss, tokens = sums.values.tolist()
         return loss, outcome.grad_norm, int(tokens), not outcome.stepped
 
     def _skip_step(self, loss: float | None, outcome: StepOutcome) -> None:

@@ -101,7 +101,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 def _norm_over_two_world_meshes(rank: int) -> dict:
     """Gradients sharded over two meshes that each span both ranks (FSDP's and EP's at ep = dp = world size): the
-    norm is the full tensors' and their sums of squares travel in one all-reduce."""
+    norm is the full tensors' and their sums of squares travel in one all-reduce, with the trainer's scalars."""
     fsdp_mesh = init_device_mesh("cpu", (2,))
     ep_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("efsdp", "ep"))
     dense, experts = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2, 3))
@@ -115,11 +115,23 @@ def _norm_over_two_world_meshes(rank: int) -> dict:
         return all_reduce(*args, **kwargs)
 
     dist.all_reduce = counted
+    found = {}
     try:
-        norm = grad_norm([dense, experts])
+        found["norm"], found["all_reduces"] = grad_norm([dense, experts]), len(calls)
+        # the trainer's loss and token count ride in the same all-reduce (their group spans the job too)
+        riders = torch.tensor([1.5 + rank, 10.0], dtype=torch.float64)
+        found["norm_with_riders"] = grad_norm([dense, experts], riders, dist.group.WORLD)
+        found["riders"], found["all_reduces_with_riders"] = riders.tolist(), len(calls) - found["all_reduces"]
+        # no reduction over the whole job to ride in: the riders take one all-reduce of their own
+        plain = nn.Parameter(torch.zeros(2))
+        plain.grad = torch.tensor([3.0, 4.0])
+        alone = torch.tensor([1.0, 2.0 * rank], dtype=torch.float64)
+        before = len(calls)
+        found["plain_norm"] = grad_norm([plain], alone, dist.group.WORLD)
+        found["alone"], found["all_reduces_alone"] = alone.tolist(), len(calls) - before
     finally:
         dist.all_reduce = all_reduce
-    return {"norm": norm, "all_reduces": len(calls)}
+    return found
 
 
 def test_local_shard_step_matches_dtensor_step(tmp_path):
@@ -130,6 +142,10 @@ def test_local_shard_step_matches_dtensor_step(tmp_path):
         for case, found in results.items():
             if case == "two meshes":  # sqrt(1 + 4 + 4 + 16 + 3 * 0.25 + 3 * 2.25), one all-reduce
                 assert abs(found["norm"] - 32.5**0.5) < 1e-6 and found["all_reduces"] == 1, found
+                assert found["norm_with_riders"] == found["norm"] and found["all_reduces_with_riders"] == 1, found
+                assert found["riders"] == [4.0, 20.0], found
+                assert found["plain_norm"] == 5.0 and found["alone"] == [2.0, 2.0], found
+                assert found["all_reduces_alone"] == 1, found
                 continue
             if case == "partial":  # a pending partial sum is left to DTensor's norm: sqrt(9 + 16 + 3 * 4)
                 assert abs(found - 37**0.5) < 1e-6, found

@@ -63,12 +63,15 @@ def _spans_world(mesh: Any, dims: tuple[int, ...]) -> bool:
     return len(dims) == 1 and mesh.size(dims[0]) == dist.get_world_size()
 
 
-def grad_norm(parameters: list[nn.Parameter]) -> float:
+def grad_norm(
+    parameters: list[nn.Parameter], riders: torch.Tensor | None = None, riders_group: dist.ProcessGroup | None = None
+) -> float:
     """Global L2 norm of the gradients of `parameters`: local sums of squares, reduced per (mesh, sharded dims).
 
     The sums of every (mesh, dims) whose reduction spans the whole job travel in one all-reduce (EP's expert stacks
     and FSDP's other parameters at ep = dp = world size: one collective per step instead of two); the others, each
-    over its own groups."""
+    over its own groups. `riders` (float64, summed in place over `riders_group`, the trainer's loss and token count)
+    ride in that all-reduce when their group spans the job too, else take one of their own; None group: no sum."""
     by_key: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for param in parameters:
         if param.grad is not None:
@@ -90,9 +93,19 @@ def grad_norm(parameters: list[nn.Parameter]) -> float:
         for dim in dims:
             dist.all_reduce(squares, group=mesh.get_group(dim))
         total += float(squares)
+    riding = riders is not None and riders_group is not None and world_sums
+    riding = riding and dist.get_world_size(riders_group) == dist.get_world_size()
+    if riders is not None and riders_group is not None and not riding:
+        dist.all_reduce(riders, group=riders_group)
     if world_sums:
         summed = torch.stack(world_sums)
-        dist.all_reduce(summed, group=world_group)
+        if riding:  # in float64 with the riders; each sum rounded back to the fp32 it is on its own
+            packed = torch.cat([summed.double(), riders])
+            dist.all_reduce(packed, group=world_group)
+            summed = packed[: len(world_sums)].float()
+            riders.copy_(packed[len(world_sums) :])
+        else:
+            dist.all_reduce(summed, group=world_group)
         total += sum(summed.tolist())
     return math.sqrt(total)
 

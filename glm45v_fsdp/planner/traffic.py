@@ -25,7 +25,8 @@ rank keeps), P2P what a rank sends. Every figure is for A micro batches (gradien
   cp             per micro batch: the encoded image rows all-gathered (each rank's padded to the largest share) and
                  their gradient all-reduced; the loss summed once per step (8 bytes).
   dp, grad norm  the step's two data-parallel sums of scalars (16 bytes each) and the gradient norm's partial sums
-                 (4 bytes per sharded mesh dim; the sums of every reduction over the whole job in one all-reduce).
+                 (4 bytes per sharded mesh dim; the sums of every reduction over the whole job in one all-reduce,
+                 which also carries the loss pair when the data-parallel ranks are the whole job).
 """
 
 from __future__ import annotations
@@ -239,18 +240,21 @@ def context_traffic(hf_config: object, dims: ParallelDims, shape: StepShape) -> 
 
 def reduction_traffic(specs: list[ParamSpec], dims: ParallelDims) -> list[Collective]:
     found = []
-    if dims.dp > 1:
-        found.append(Collective("dp", "all_reduce", "token counts, loss (float64 pairs)", 2, 2 * 2 * INT64, dims.dp))
     # the gradient norm: per kind of sharded parameter, the mesh dims (family, size) its partial sum is reduced over
     norm_keys = [[("fsdp", dims.fsdp_size)]] if dims.fsdp_size > 1 else []
     if any(spec.expert for spec in specs):
         norm_keys.append([(family, size) for family, size in (("efsdp", dims.efsdp), ("ep", dims.ep)) if size > 1])
     whole_job = [key for key in norm_keys if len(key) == 1 and key[0][1] == dims.world_size]
-    if whole_job:  # these partial sums travel together (local_shards.grad_norm)
-        family = whole_job[0][0][0]
+    loss_rides = bool(whole_job) and dims.dp == dims.world_size  # the loss and token count go with those sums
+    if dims.dp > 1:
+        pairs = 1 if loss_rides else 2
         found.append(
-            Collective(family, "all_reduce", "gradient norm's partial sums", 1, FP32 * len(whole_job), dims.world_size)
+            Collective("dp", "all_reduce", "token counts, loss (float64 pairs)", pairs, pairs * 2 * INT64, dims.dp)
         )
+    if whole_job:  # these partial sums travel together (local_shards.grad_norm), in float64 with the loss
+        family = whole_job[0][0][0]
+        nbytes = (len(whole_job) + 2) * INT64 if loss_rides else len(whole_job) * FP32
+        found.append(Collective(family, "all_reduce", "gradient norm's partial sums", 1, nbytes, dims.world_size))
     for key in norm_keys:
         if key not in whole_job:
             found += [
