@@ -360,9 +360,7 @@ class Trainer:
             report_loss += (ce_sum.detach() * scale).double()
         self.sequence_layout.reduce(report_loss)  # CP: each rank holds the CE of its part of the sequence
         sums = DpSums(
-            torch.stack(
-                [report_loss, torch.tensor(float(local_tokens), dtype=torch.float64, device=report_loss.device)]
-            ),
+            torch.stack([report_loss, report_loss.new_tensor(float(local_tokens))]),
             self.runtime.meshes.dp.get_group() if self.runtime.dp_size > 1 else None,
         )  # summed in the gradient norm's all-reduce when the data-parallel ranks are the whole job
         outcome = self.step_runner.finish(dp_sums=sums)

@@ -86,16 +86,16 @@ def grad_norm(
         mesh, dims = key
         norms = torch._foreach_norm([local(grad) for grad in grads], 2.0)
         squares = torch.stack([norm.float() for norm in norms]).square().sum()
-        if dims and _spans_world(mesh, dims):
+        if _spans_world(mesh, dims):
             world_sums.append(squares)
             world_group = world_group or mesh.get_group(dims[0])
             continue
         for dim in dims:
             dist.all_reduce(squares, group=mesh.get_group(dim))
         total += float(squares)
-    riding = riders is not None and riders_group is not None and world_sums
-    riding = riding and dist.get_world_size(riders_group) == dist.get_world_size()
-    if riders is not None and riders_group is not None and not riding:
+    sum_riders = riders is not None and riders_group is not None
+    riding = sum_riders and bool(world_sums) and dist.get_world_size(riders_group) == dist.get_world_size()
+    if sum_riders and not riding:
         dist.all_reduce(riders, group=riders_group)
     if world_sums:
         summed = torch.stack(world_sums)
