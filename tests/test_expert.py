@@ -420,6 +420,12 @@ def test_expert_parallel_training_matches_ep1(ep_runs, parity_off, name):
     assert "model.language_model.layers.{*}.mlp.experts: 3 module(s)" in stdout
     dispatcher = "allgather" if any(ALLGATHER in named.get(name, []) for named in EP_RUNS.values()) else "alltoall"
     assert f"{dispatcher} dispatch" in stdout
+    # ep = dp: each expert lives on one rank, so FSDP leaves the stacks alone; otherwise they are units over efsdp
+    # (Ulysses ranks join it) or over the HSDP replicas
+    if name in ("ep2 hsdp 2x2", "ep2 cp2 chunk loss"):
+        assert "3 expert stack(s) over 2 rank(s)" in stdout
+    else:
+        assert "3 expert stack(s) left plain (efsdp has one rank: nothing to shard or reduce)" in stdout
     if "door" in name:
         assert "expert_parallel.autoep_size 2" in stdout and "[plan activation_offload]" in stdout
         assert "[plan recompute]" in stdout

@@ -67,6 +67,9 @@ def apply_fsdp(
     `expert_units`: modules whose parameters expert parallelism already sharded on dim 0 over the ep mesh; each is
     a unit of its own over `expert_mesh` (efsdp, or (dp_replicate, efsdp) for HSDP), sharded on dim 1, so a rank
     holds a plain box of its own experts (no strided shards). They are sharded first: they sit inside the layers.
+    When `expert_mesh` has one rank (ep = dp: each expert lives on one rank) there is nothing to shard or reduce, so
+    the stacks stay plain DTensors on the ep mesh, left out of the root's unit, as a one-rank FSDP mesh leaves the
+    whole model (their module casts them to `param_dtype` itself); FSDP's hooks and copies there cost time only.
 
     `required_units` are modules the training forward calls outside their parent's forward, so each must be an
     FSDP unit of its own or its parameters would not be gathered when it runs; the plan must select them.
@@ -106,7 +109,11 @@ def apply_fsdp(
         )
     else:
         unit_text = f"one unit per planned module ({in_units})"
-    experts = f", {len(expert_units)} expert stack(s) over {expert_mesh.size()} rank(s)" if expert_units else ""
+    plain_experts = bool(expert_units) and expert_mesh.size() == 1 and not plan.cpu_offload
+    if plain_experts:
+        experts = f", {len(expert_units)} expert stack(s) left plain (efsdp has one rank: nothing to shard or reduce)"
+    else:
+        experts = f", {len(expert_units)} expert stack(s) over {expert_mesh.size()} rank(s)" if expert_units else ""
     offloaded = ", parameters offloaded to the host" if plan.cpu_offload else ""
     hsdp = f" (HSDP: {mesh.size(0)} replica(s) x {mesh.size(1)} shard(s))" if mesh.ndim > 1 else ""
     sharding = (
@@ -114,7 +121,10 @@ def apply_fsdp(
         f"{offloaded}; "
         f"compute {plan.param_dtype}, reduce {plan.reduce_dtype}"
     )
-    units = [([name], expert_mesh, lambda param: Shard(1)) for name in expert_units]
+    units = [] if plain_experts else [([name], expert_mesh, lambda param: Shard(1)) for name in expert_units]
+    plain = {param for name in expert_units for param in present[name].parameters()} if plain_experts else None
+    for name in expert_units if plain_experts else ():
+        present[name].compute_dtype = DTYPES[plan.param_dtype]
     units += [(group, mesh, None) for group in sorted(groups, key=lambda g: -g[0].count("."))]  # innermost first
     for names, unit_mesh, placement in units:
         fully_shard(
@@ -124,8 +134,11 @@ def apply_fsdp(
             offload_policy=offload,
             reshard_after_forward=plan.reshard_after_forward,
             shard_placement_fn=placement,
+            ignored_params=plain,
         )
-    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+    fully_shard(
+        model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False, ignored_params=plain
+    )
     if plan.prefetch > 0:
         set_prefetch(model, matches, groups, plan.prefetch)
         sharding += f"; prefetch {plan.prefetch} unit(s) ahead in forward and backward along each pattern"
