@@ -257,6 +257,9 @@ def test_a_frozen_base_in_bf16_changes_no_loss(tmp_path):
     assert mean_relative_error(bf16, fp32, steps=3) <= 1e-6, (bf16, fp32)
     assert "the frozen base (0.49M parameters) is stored in bf16" in results["bf16 base"][0]
     assert "is stored in" not in results["fp32 base"][0]
+    # ep = dp, but fp32 stacks (the adapters, or the whole base) need FSDP's cast: units, not left plain
+    for stdout, _ in results.values():
+        assert "expert stack(s) over 1 rank(s)" in stdout and "left plain" not in stdout
 
 
 def test_preflight_counts_a_frozen_bf16_base_and_no_optimizer_for_it(capsys):

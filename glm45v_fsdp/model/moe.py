@@ -124,7 +124,6 @@ class GroupedExperts(nn.Module):
         self.gemm = None
         self.swiglu = None
         self.adapter_scaling: dict[str, float] = {}  # the lora plan: stack name -> alpha / r of its adapter
-        self.compute_dtype: torch.dtype | None = None  # set by parallel/fsdp.py when no FSDP unit casts the stacks
 
     def stacks(self) -> list[str]:
         """The [E, ...] parameters: the base stacks and their adapters (expert parallelism shards them alike)."""
@@ -137,8 +136,6 @@ class GroupedExperts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, extra: ExtraExperts | None = None) -> torch.Tensor:
         stacks = {name: _local(getattr(self, name)) for name in self.stacks()}
-        if self.compute_dtype is not None:  # no FSDP unit casts these stacks (parallel/fsdp.py): FSDP's param_dtype
-            stacks = {name: stack.to(self.compute_dtype) for name, stack in stacks.items()}
         if extra is not None:
             return extra.run(self.compute, rows, counts, stacks)
         return self.compute(rows, counts, stacks)

@@ -68,8 +68,9 @@ def apply_fsdp(
     a unit of its own over `expert_mesh` (efsdp, or (dp_replicate, efsdp) for HSDP), sharded on dim 1, so a rank
     holds a plain box of its own experts (no strided shards). They are sharded first: they sit inside the layers.
     When `expert_mesh` has one rank (ep = dp: each expert lives on one rank) there is nothing to shard or reduce, so
-    the stacks stay plain DTensors on the ep mesh, left out of the root's unit, as a one-rank FSDP mesh leaves the
-    whole model (their module casts them to `param_dtype` itself); FSDP's hooks and copies there cost time only.
+    stacks already stored in `param_dtype` stay plain DTensors on the ep mesh, left out of every unit, as a one-rank
+    FSDP mesh leaves the whole model: FSDP's hooks and copies there cost time only. Stacks that need a cast stay
+    units: FSDP frees each layer's cast copy after its forward, where autograd would keep every layer's to backward.
 
     `required_units` are modules the training forward calls outside their parent's forward, so each must be an
     FSDP unit of its own or its parameters would not be gathered when it runs; the plan must select them.
@@ -109,7 +110,13 @@ def apply_fsdp(
         )
     else:
         unit_text = f"one unit per planned module ({in_units})"
-    plain_experts = bool(expert_units) and expert_mesh.size() == 1 and not plan.cpu_offload
+    expert_params = [param for name in expert_units for param in present[name].parameters()]
+    plain_experts = (
+        bool(expert_units)
+        and expert_mesh.size() == 1
+        and not plan.cpu_offload
+        and all(param.dtype == DTYPES[plan.param_dtype] for param in expert_params)
+    )
     if plain_experts:
         experts = f", {len(expert_units)} expert stack(s) left plain (efsdp has one rank: nothing to shard or reduce)"
     else:
@@ -122,9 +129,7 @@ def apply_fsdp(
         f"compute {plan.param_dtype}, reduce {plan.reduce_dtype}"
     )
     units = [] if plain_experts else [([name], expert_mesh, lambda param: Shard(1)) for name in expert_units]
-    plain = {param for name in expert_units for param in present[name].parameters()} if plain_experts else None
-    for name in expert_units if plain_experts else ():
-        present[name].compute_dtype = DTYPES[plan.param_dtype]
+    plain = set(expert_params) if plain_experts else None
     units += [(group, mesh, None) for group in sorted(groups, key=lambda g: -g[0].count("."))]  # innermost first
     for names, unit_mesh, placement in units:
         fully_shard(
