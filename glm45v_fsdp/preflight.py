@@ -189,7 +189,7 @@ def planned_params(
     fsdp_units = sorted(name for group in groups for name in group)
     leader = {name: group[0] for group in groups for name in group}
     sharded = dims.world_size > 1 or plan.cpu_offload
-    layout = ShardLayout(dims.fsdp_size if sharded else 1, dims.ep, dims.efsdp, sharded)
+    layout = ShardLayout(dims.fsdp_size if sharded else 1, dims.ep, dims.efsdp, sharded, dims.dp_replicate)
     routed = [f"{name}.experts" for match in matched.get("moe", []) for name in match.names]
     specs = param_specs(model, fsdp_units, expert_units, routed)
     specs = [dataclasses.replace(spec, unit=leader.get(spec.unit, spec.unit)) for spec in specs]

@@ -21,7 +21,7 @@ from transformers import Glm4vMoeForConditionalGeneration
 from glm45v_fsdp.config import ModelConfig, load_config
 from glm45v_fsdp.data import build_dataset, build_image_processor, build_tiny_tokenizer, collate
 from glm45v_fsdp.data.dump import MODEL_KEYS, BatchDumper, dump_path
-from glm45v_fsdp.memory.estimate import activation_bytes, shard_rows
+from glm45v_fsdp.memory.estimate import ParamSpec, ShardLayout, activation_bytes, shard_rows, transient_bytes
 from glm45v_fsdp.model import build_meta_model, load_hf_config, materialize, model_loss_sum
 from glm45v_fsdp.plans import MoEPlan, PlanContext
 from glm45v_fsdp.preflight import minimal_dims
@@ -555,6 +555,26 @@ def test_estimate_follows_each_plan_like_the_measured_peak(tmp_path):
     for name in ("offload", "recompute_offload"):
         moved, estimate = measured[name]["offload_bytes_out"], estimated[name]["activations"]["offloaded"]
         assert moved > 0 and 1 / ESTIMATE_FACTOR <= estimate / moved <= ESTIMATE_FACTOR, (name, estimate, moved)
+
+
+def test_estimate_leaves_out_expert_stacks_fsdp_leaves_plain():
+    """parallel/fsdp.py leaves expert stacks out of FSDP when their mesh (replicas x efsdp) has one rank and they are
+    stored in the compute dtype: no gathered copy, no gradient buffer. Otherwise they are a unit of their layer."""
+    dense = ParamSpec("layers.0.attn.weight", (64, 64), 4, True, "layers.0")
+    expert = ParamSpec("layers.0.mlp.experts.gate_up_proj", (8, 64, 64), 4, True, "layers.0.mlp.experts", True, True)
+    layer_fp32, layer_bf16 = 64 * 64 * 4, 64 * 64 * 2  # the dense layer's gathered bytes (2 ranks, no padding)
+    experts_fp32 = 4 * 64 * 64 * 4  # this rank's E/ep = 4 experts
+
+    def gathered(specs, layout, compute=4, cpu_offload=False):
+        return transient_bytes(specs, layout, compute, 4, True, cpu_offload=cpu_offload).params
+
+    ep_is_dp = ShardLayout(2, ep=2, efsdp=1)
+    assert gathered([dense, expert], ep_is_dp) == layer_fp32  # left plain
+    assert gathered([dense, expert], ep_is_dp, cpu_offload=True) == layer_fp32 + experts_fp32
+    assert gathered([dense, expert], ShardLayout(2, ep=2, efsdp=1, replicas=2)) == layer_fp32 + experts_fp32
+    assert gathered([dense, expert], ShardLayout(2, ep=1, efsdp=2)) == layer_fp32 + 8 * 64 * 64 * 4
+    # bf16 compute of fp32 stacks: FSDP casts them, so they stay a unit
+    assert gathered([dense, expert], ep_is_dp, compute=2) == layer_bf16 + experts_fp32 // 2
 
 
 def test_preflight_counts_the_dispatch_buffers_and_ep_balance_replicas(capsys):

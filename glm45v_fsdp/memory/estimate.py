@@ -84,12 +84,14 @@ def padded_rows(rows: int, shard_size: int) -> int:
 @dataclass(frozen=True)
 class ShardLayout:
     """How parameters are split over the ranks: dense ones on dim 0 over `dense` FSDP ranks; expert stacks on dim 0
-    over `ep` ranks and on dim 1 over `efsdp` FSDP ranks. `sharded` False: no FSDP (one rank), nothing split."""
+    over `ep` ranks and on dim 1 over `efsdp` FSDP ranks; `replicas` HSDP replicas of both. `sharded` False: no FSDP
+    (one rank), nothing split."""
 
     dense: int
     ep: int = 1
     efsdp: int = 1
     sharded: bool = True
+    replicas: int = 1
 
     def index(self, fsdp_index: int) -> tuple[int, int]:
         """(dense shard index, efsdp index) of the rank at `fsdp_index` on the FSDP mesh (ep is innermost)."""
@@ -182,6 +184,19 @@ class Transient:
         return self.params + self.grads
 
 
+def experts_left_plain(specs: list[ParamSpec], layout: ShardLayout, compute_itemsize: int, cpu_offload: bool) -> bool:
+    """parallel/fsdp.py's rule: expert stacks whose FSDP mesh (replicas x efsdp) has one rank and that are all stored
+    in the compute dtype are no FSDP unit (no gathered copy, no gradient buffer)."""
+    experts = [spec for spec in specs if spec.expert]
+    return (
+        bool(experts)
+        and layout.sharded
+        and layout.replicas * layout.efsdp == 1
+        and not cpu_offload
+        and all(spec.itemsize == compute_itemsize for spec in experts)
+    )
+
+
 def transient_bytes(
     specs: list[ParamSpec],
     layout: ShardLayout,
@@ -189,6 +204,7 @@ def transient_bytes(
     reduce_itemsize: int,
     reshard_after_forward: bool,
     prefetch: int = 0,
+    cpu_offload: bool = False,
 ) -> Transient:
     """Peak of the unsharded compute copies (param dtype) and the gradient buffers of a backward step.
 
@@ -197,12 +213,15 @@ def transient_bytes(
     reshard_after_forward=False. In
     backward the running unit's unsharded gradients (param dtype) are copied into a reduce-scatter buffer (reduce
     dtype) of the same padded size. Under expert parallelism a layer's expert stacks are a unit of their own that
-    gathers only this rank's E/ep experts, counted with its layer. Without FSDP, bf16 autocast holds a bf16 copy of
-    every weight from its first use in forward until backward has used it.
+    gathers only this rank's E/ep experts, counted with its layer, unless they are left plain (`experts_left_plain`).
+    Without FSDP, bf16 autocast holds a bf16 copy of every weight from its first use in forward until backward has
+    used it.
     """
     if not layout.sharded:
         copies = sum(math.prod(s.shape) for s in specs) * compute_itemsize if compute_itemsize < FP32 else 0
         return Transient(copies, 0, "no FSDP: autocast keeps a param-dtype copy of every weight through the step")
+    if experts_left_plain(specs, layout, compute_itemsize, cpu_offload):
+        specs = [spec for spec in specs if not spec.expert]
     params = unit_bytes(specs, layout, compute_itemsize)
     grads = unit_bytes(specs, layout, compute_itemsize + reduce_itemsize, trainable_only=True)
     root = params.pop("", 0)

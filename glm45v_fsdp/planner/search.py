@@ -154,7 +154,7 @@ class Planner:
         """The parameters of `layout` and how its ranks split them (what its memory rows and checkpoints hold)."""
         dims = layout.dims(self.job)
         specs = self._planned(layout.ep, layout.unit_mib).params.specs
-        return specs, ShardLayout(dims.fsdp_size, dims.ep, dims.efsdp, dims.world_size > 1)
+        return specs, ShardLayout(dims.fsdp_size, dims.ep, dims.efsdp, dims.world_size > 1, dims.dp_replicate)
 
     def check(self, layout: Layout) -> None:
         """ConfigError when a plan rejects the layout (heads, experts)."""
@@ -174,13 +174,15 @@ class Planner:
         planned = self._planned(layout.ep, layout.unit_mib)
         plan = config.parallel.fsdp_plan
         compute, reduce = DTYPES[plan.param_dtype].itemsize, DTYPES[plan.reduce_dtype].itemsize
-        shards = ShardLayout(dims.fsdp_size, dims.ep, dims.efsdp, dims.world_size > 1)
+        shards = ShardLayout(dims.fsdp_size, dims.ep, dims.efsdp, dims.world_size > 1, dims.dp_replicate)
         specs = planned.params.specs
         state, transient, gathered = self._cached(
             ("state", layout.ep, layout.unit_mib, dims.fsdp_size),
             lambda: (
                 state_bytes(specs, shards, 0),  # shard index 0 holds the most rows: the largest rank
-                transient_bytes(specs, shards, compute, reduce, plan.reshard_after_forward, plan.prefetch),
+                transient_bytes(
+                    specs, shards, compute, reduce, plan.reshard_after_forward, plan.prefetch, plan.cpu_offload
+                ),
                 _largest_units(specs, shards, compute),
             ),
         )

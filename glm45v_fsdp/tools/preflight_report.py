@@ -15,6 +15,7 @@ from glm45v_fsdp.config import Config, load_config
 from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.memory.estimate import (
     ACTIVATION_FORMULA,
+    experts_left_plain,
     state_bytes,
     transient_bytes,
 )
@@ -53,7 +54,10 @@ def memory_report(
     sharded, shard_size = layout.sharded, layout.dense
     offloaded = sharded and plan.cpu_offload
     compute, reduce = DTYPES[plan.param_dtype].itemsize, DTYPES[plan.reduce_dtype].itemsize
-    transient = transient_bytes(specs, layout, compute, reduce, plan.reshard_after_forward, plan.prefetch)
+    transient = transient_bytes(
+        specs, layout, compute, reduce, plan.reshard_after_forward, plan.prefetch, plan.cpu_offload
+    )
+    plain_experts = experts_left_plain(specs, layout, compute, plan.cpu_offload)
     patches, image_text = image_patches(
         config, hf_config, images_per_sample, image_size, dims.cp, videos_per_sample, video_frames
     )
@@ -84,7 +88,7 @@ def memory_report(
     return {
         "fsdp_applied": sharded,
         "shard_size": shard_size,
-        "fsdp_units": len(groups) + len(expert_units) + 1,
+        "fsdp_units": len(groups) + (0 if plain_experts else len(expert_units)) + 1,
         "cpu_offload": offloaded,
         "per_rank": ranks,
         "min": {k: min(r[k] for r in ranks) for k in keys},
