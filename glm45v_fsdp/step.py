@@ -86,6 +86,7 @@ class OptimizerStep:
         for hook in self.post_backward_hooks:
             hook()
         loss_scale = self.loss_scale
+        assert loss is None or dp_sums is None, "the loss is either given or summed from dp_sums"
         riders, group = (dp_sums.values, dp_sums.group) if dp_sums is not None else (None, None)
         norm = grad_norm(self.parameters, riders, group) / loss_scale
         if dp_sums is not None:

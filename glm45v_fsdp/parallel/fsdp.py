@@ -117,10 +117,12 @@ def apply_fsdp(
         and not plan.cpu_offload
         and all(param.dtype == DTYPES[plan.param_dtype] for param in expert_params)
     )
-    if plain_experts:
+    if not expert_units:
+        experts = ""
+    elif plain_experts:
         experts = f", {len(expert_units)} expert stack(s) left plain (efsdp has one rank: nothing to shard or reduce)"
     else:
-        experts = f", {len(expert_units)} expert stack(s) over {expert_mesh.size()} rank(s)" if expert_units else ""
+        experts = f", {len(expert_units)} expert stack(s) over {expert_mesh.size()} rank(s)"
     offloaded = ", parameters offloaded to the host" if plan.cpu_offload else ""
     hsdp = f" (HSDP: {mesh.size(0)} replica(s) x {mesh.size(1)} shard(s))" if mesh.ndim > 1 else ""
     sharding = (

@@ -88,7 +88,8 @@ def grad_norm(
         squares = torch.stack([norm.float() for norm in norms]).square().sum()
         if _spans_world(mesh, dims):
             world_sums.append(squares)
-            world_group = world_group or mesh.get_group(dims[0])
+            if world_group is None:
+                world_group = mesh.get_group(dims[0])
             continue
         for dim in dims:
             dist.all_reduce(squares, group=mesh.get_group(dim))
