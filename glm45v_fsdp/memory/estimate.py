@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from glm45v_fsdp.parallel.fsdp import expert_stacks_stay_plain
+
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a 0-d float32 tensor per parameter
 FP32 = 4
 
@@ -185,15 +187,15 @@ class Transient:
 
 
 def experts_left_plain(specs: list[ParamSpec], layout: ShardLayout, compute_itemsize: int, cpu_offload: bool) -> bool:
-    """parallel/fsdp.py's rule: expert stacks whose FSDP mesh (replicas x efsdp) has one rank and that are all stored
-    in the compute dtype are no FSDP unit (no gathered copy, no gradient buffer)."""
+    """Expert stacks that parallel/fsdp.py leaves out of FSDP (`expert_stacks_stay_plain`; their mesh is replicas x
+    efsdp): no gathered copy, no gradient buffer."""
     experts = [spec for spec in specs if spec.expert]
     return (
         bool(experts)
         and layout.sharded
-        and layout.replicas * layout.efsdp == 1
-        and not cpu_offload
-        and all(spec.itemsize == compute_itemsize for spec in experts)
+        and expert_stacks_stay_plain(
+            layout.replicas * layout.efsdp, cpu_offload, all(spec.itemsize == compute_itemsize for spec in experts)
+        )
     )
 
 

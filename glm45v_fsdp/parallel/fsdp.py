@@ -111,11 +111,8 @@ def apply_fsdp(
     else:
         unit_text = f"one unit per planned module ({in_units})"
     expert_params = [param for name in expert_units for param in present[name].parameters()]
-    plain_experts = (
-        bool(expert_units)
-        and expert_mesh.size() == 1
-        and not plan.cpu_offload
-        and all(param.dtype == DTYPES[plan.param_dtype] for param in expert_params)
+    plain_experts = bool(expert_units) and expert_stacks_stay_plain(
+        expert_mesh.size(), plan.cpu_offload, all(param.dtype == DTYPES[plan.param_dtype] for param in expert_params)
     )
     if not expert_units:
         experts = ""
@@ -156,6 +153,12 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return FsdpApplied(matches, sharding)
+
+
+def expert_stacks_stay_plain(expert_mesh_ranks: int, cpu_offload: bool, stored_in_param_dtype: bool) -> bool:
+    """Whether expert stacks stay out of FSDP (see `apply_fsdp`): their mesh has one rank, nothing is offloaded, and
+    no cast is needed. The memory model (memory/estimate.py) applies the same rule."""
+    return expert_mesh_ranks == 1 and not cpu_offload and stored_in_param_dtype
 
 
 def unit_groups(
