@@ -3,10 +3,12 @@ checkpoint cadence and resume."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,32 @@ from glm45v_fsdp.runtime.stuck import StepDeadline, start_step_deadline
 from glm45v_fsdp.step import DpSums, OptimizerStep, StepOutcome
 
 Batch = dict[str, torch.Tensor]
+OTHER_RANK_DATA_ERROR = "Another data-parallel rank stopped on a data error; its message is in that rank's output."
+
+
+@dataclass
+class NextStep:
+    """The next step's micro batches, fetched inside a step after its backward and before its last all-reduce, which
+    also sums their valid tokens and the ranks whose fetch failed over the data-parallel ranks: the next step then
+    needs no all-reduce of its own before its forward. `error`: this rank's data error (`batches` is then empty)."""
+
+    batches: list[Batch]
+    error: UserError | None
+    fetch_ms: float
+    global_valid: float = 0.0
+    failed_ranks: int = 0
+
+    def local_sums(self) -> list[float]:
+        """This rank's share of the sums the step's last all-reduce carries: valid tokens, 1 if its fetch failed."""
+        return [float(sum(int(b["num_valid_tokens"]) for b in self.batches)), float(self.error is not None)]
+
+    def take(self) -> list[Batch]:
+        """The batches; a data error on any rank stops every rank here, the failing one with its own message."""
+        if self.error is not None:
+            raise self.error
+        if self.failed_ranks:
+            raise UserError(OTHER_RANK_DATA_ERROR)
+        return self.batches
 
 
 def micro_loss_scale(
@@ -327,15 +355,24 @@ class Trainer:
             offset += part.numel()
         return per_rank, summed
 
-    def train_step(self, micro_batches: list[Batch]) -> tuple[float, float, int, bool]:
-        """One optimizer step over the accumulation micro batches. Returns (loss, grad norm, tokens, skipped)."""
+    def train_step(
+        self,
+        micro_batches: list[Batch],
+        global_valid: float | None = None,
+        fetch_next: Callable[[], NextStep] | None = None,
+    ) -> tuple[float, float, int, bool, NextStep | None]:
+        """One optimizer step over the accumulation micro batches. `global_valid`: their valid tokens summed over the
+        data-parallel ranks, when the previous step's last all-reduce brought it (None: one all-reduce here, before
+        the forward). `fetch_next` fetches the next step's micro batches after the backward, so that their count rides
+        in this step's last all-reduce. Returns (loss, grad norm, tokens, skipped, the next step's batches or None)."""
         training = self.config.training
         accumulation = len(micro_batches)
-        local_valid = sum(int(b["num_valid_tokens"]) for b in micro_batches)
         local_tokens = sum(int(b["num_tokens"]) for b in micro_batches)
-        global_valid, failed_ranks = self._dp_all_reduce([local_valid, 0])
-        if failed_ranks:
-            raise UserError("Another data-parallel rank stopped on a data error; its message is in that rank's output.")
+        if global_valid is None:
+            local_valid = sum(int(b["num_valid_tokens"]) for b in micro_batches)
+            global_valid, failed_ranks = self._dp_all_reduce([local_valid, 0])
+            if failed_ranks:
+                raise UserError(OTHER_RANK_DATA_ERROR)
         global_valid_tensor = torch.tensor(global_valid, device=self.runtime.torch_device)
         loss_scale = self.step_runner.loss_scale
         report_loss = torch.zeros((), dtype=torch.float64, device=self.runtime.torch_device)
@@ -358,14 +395,18 @@ class Trainer:
                 )
             objective.backward()
             report_loss += (ce_sum.detach() * scale).double()
+        following = fetch_next() if fetch_next is not None else None
         self.sequence_layout.reduce(report_loss)  # CP: each rank holds the CE of its part of the sequence
+        riders = [report_loss, report_loss.new_tensor(float(local_tokens))]
+        riders += [report_loss.new_tensor(value) for value in following.local_sums()] if following is not None else []
         sums = DpSums(
-            torch.stack([report_loss, report_loss.new_tensor(float(local_tokens))]),
-            self.runtime.meshes.dp.get_group() if self.runtime.dp_size > 1 else None,
+            torch.stack(riders), self.runtime.meshes.dp.get_group() if self.runtime.dp_size > 1 else None
         )  # summed in the gradient norm's all-reduce when the data-parallel ranks are the whole job
         outcome = self.step_runner.finish(dp_sums=sums)
-        loss, tokens = sums.values.tolist()
-        return loss, outcome.grad_norm, int(tokens), not outcome.stepped
+        loss, tokens, *next_sums = sums.values.tolist()
+        if following is not None:
+            following.global_valid, following.failed_ranks = next_sums[0], int(next_sums[1])
+        return loss, outcome.grad_norm, int(tokens), not outcome.stepped, following
 
     def _skip_step(self, loss: float | None, outcome: StepOutcome) -> None:
         """A step with a non-finite loss or gradient norm: an fp16 overflow is the loss scaler's business (it halves
@@ -385,43 +426,62 @@ class Trainer:
         self.log.warning("skipping the optimizer step: non-finite %s", reason)
 
     def _next_micro_batches(self, iterator: Iterator[Batch]) -> list[Batch]:
-        """The step's micro batches. A data error here stops every rank: the failing rank first tells the others
-        through the collective they would otherwise wait in (train_step's first all-reduce)."""
-        if self.fault is not None and self.fault.hits("hang", self.runtime.env.rank, self.step):
-            get_logger().warning(
-                "GLM45V_FAULT: rank %d hangs in its data loader after step %d", self.runtime.env.rank, self.step
-            )
+        """One step's micro batches from the loader (a data error raises UserError)."""
+        rank = self.runtime.env.rank
+        if self.fault is not None and self.fault.hits("hang", rank, self.step):
+            get_logger().warning("GLM45V_FAULT: rank %d hangs in its data loader after step %d", rank, self.step)
             threading.Event().wait()
+        if self.fault is not None and self.fault.hits("data_error", rank, self.step):
+            raise UserError(f"GLM45V_FAULT: an injected data error on rank {rank} after step {self.step}.")
+        return [next(iterator) for _ in range(self.config.training.gradient_accumulation_steps)]
+
+    def _first_micro_batches(self, iterator: Iterator[Batch]) -> list[Batch]:
+        """The micro batches of a step no earlier step fetched (the first of this process). A data error here stops
+        every rank: the failing rank first tells the others through the collective they would otherwise wait in
+        (train_step's all-reduce before the forward)."""
         try:
-            batches = [next(iterator) for _ in range(self.config.training.gradient_accumulation_steps)]
+            return self._next_micro_batches(iterator)
         except UserError:
             self._dp_all_reduce([0, 1])
             raise
-        if self.dumper is not None:
-            for batch in batches:
-                self.dumper.dump(batch)
-        return batches
+
+    def _fetch_next(self, iterator: Iterator[Batch]) -> NextStep:
+        """The next step's micro batches, fetched inside this step (see NextStep); a data error is kept for later."""
+        started = time.perf_counter()
+        try:
+            batches, error = self._next_micro_batches(iterator), None
+        except UserError as caught:
+            batches, error = [], caught
+        return NextStep(batches, error, (time.perf_counter() - started) * 1000.0)
 
     def _live_state(self) -> list[torch.Tensor]:
         """Tensors alive before a step that count toward its peak: parameters and optimizer state."""
         state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         return [*self.parameters, *state]
 
-    def step_once(self, micro_batches: list[Batch], started: float | None = None) -> StepRecord:
-        """Train one step on the given micro batches, time it, gather every rank's figures, record them.
+    def step_once(
+        self,
+        micro_batches: list[Batch],
+        started: float | None = None,
+        global_valid: float | None = None,
+        fetch_next: Callable[[], NextStep] | None = None,
+    ) -> tuple[StepRecord, NextStep | None]:
+        """Train one step on the given micro batches, time it, gather every rank's figures, record them; the next
+        step's batches when `fetch_next` fetched them (see train_step).
 
         `started` (a perf_counter value) lets the caller include the time it spent fetching the batches, which is
-        also recorded alone (`data_ms`).
+        also recorded (`data_ms`, with the time the step spent fetching the next step's).
         """
         data_ms = 0.0 if started is None else (time.perf_counter() - started) * 1000.0
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter() if started is None else started
         # Only the CPU tracker needs the live tensors; the list is not built on the hot path otherwise.
         with self.meter.track(self._live_state() if self.meter.kind == "tracked-tensors" else ()):
-            loss, grad_norm, tokens, skipped = self.train_step(micro_batches)
+            loss, grad_norm, tokens, skipped, following = self.train_step(micro_batches, global_valid, fetch_next)
             self.runtime.device.synchronize()
         ms = (time.perf_counter() - start) * 1000.0
-        return self._record(lr, ms, data_ms, loss, grad_norm, tokens, skipped)
+        data_ms += following.fetch_ms if following is not None else 0.0
+        return self._record(lr, ms, data_ms, loss, grad_norm, tokens, skipped), following
 
     def _chunk_metrics(self) -> dict[str, list[int]]:
         """This step's chunked-loss choices on this rank (one entry per micro batch), then reset."""
@@ -545,10 +605,20 @@ class Trainer:
 
     def _loop(self, iterator: Iterator[Batch], bar: tqdm) -> None:
         training = self.config.training
+        following: NextStep | None = None  # fetched by the previous step (train_step)
         while self.step < training.train_iters:
             self.profiler.before_step(self.step + 1)
             start = time.perf_counter()
-            record = self.step_once(self._next_micro_batches(iterator), started=start)
+            if following is None:
+                batches, global_valid = self._first_micro_batches(iterator), None
+            else:
+                batches, global_valid = following.take(), following.global_valid
+            if self.dumper is not None:
+                for batch in batches:
+                    self.dumper.dump(batch)
+            last = self.step + 1 == training.train_iters
+            fetch_next = None if last else functools.partial(self._fetch_next, iterator)
+            record, following = self.step_once(batches, start, global_valid, fetch_next)
             if self.deadline is not None:
                 self.deadline.step_done(self.step, time.perf_counter() - start)
             self.profiler.after_step(self.step)

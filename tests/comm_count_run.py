@@ -1,11 +1,12 @@
 """Count every collective of one training step: `torchrun --nproc_per_node N tests/comm_count_run.py RUNS.json OUT`.
 
 RUNS.json lists {"name": ..., "argv": [...]}; each run is `glm45v_fsdp.train.run(argv)` (as tests/multi_run.py) with
-`Trainer.train_step` under `CollectiveCounter`, so only what one optimizer step sends is counted (start-up, data
-checks and the per-step figures' gather are outside it). The process groups are named by the meshes the run built:
-OUT/<name>.rank<R>.json holds `collectives`: [{kind, families, ranks, calls, bytes}] per (op kind, process group)
-and `micro_batches`: each micro batch's input_ids shape and image patches; with "count_flops" in the run, `flops`:
-the step's matmul FLOPs by torch.utils.flop_counter (the CPU attention kernels and the ring op are not counted).
+`Trainer.train_step` of the run's second step under `CollectiveCounter`, so only what one optimizer step sends is
+counted (start-up, data checks and the per-step figures' gather are outside it); the runs need three steps. The process
+groups are named by the meshes the run built: OUT/<name>.rank<R>.json holds `collectives`: [{kind, families, ranks,
+calls, bytes}] per (op kind, process group) and `micro_batches`: each micro batch's input_ids shape and image patches;
+with "count_flops" in the run, `flops`: the step's matmul FLOPs by torch.utils.flop_counter (the CPU attention kernels
+and the ring op are not counted).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
 
 GROUPED_MM = {torch.ops.aten._grouped_mm: grouped_mm_flops}
 VIEWS = ("dp", "fsdp", "cp", "dp_replicate", "cp_ring", "cp_ulysses", "efsdp", "ep")
+# The step counted: the second of a run of three, a step between the first (which also all-reduces its own valid
+# tokens before its forward) and the last (which fetches no next step), as the planner models one.
+COUNTED_STEP = 2
 
 
 def group_families(meshes: mesh_module.ParallelMeshes) -> tuple[dict[str, list[str]], dict[tuple, list[str]]]:
@@ -76,16 +80,18 @@ def main(runs_path: str, out: str) -> None:
         merged = with_video_frames(batch)
         return merged["image_grid_thw"].prod(-1).tolist() if "image_grid_thw" in merged else []
 
-    def counted_step(self, micro_batches):
+    def counted_step(self, micro_batches, *args):
+        if self.step != COUNTED_STEP - 1:
+            return original_step(self, micro_batches, *args)
         shapes.extend(
             {"input_ids": list(batch["input_ids"].shape), "image_patches": vision_items(batch)}
             for batch in micro_batches
         )
         if not count_flops:
             with counter:
-                return original_step(self, micro_batches)
+                return original_step(self, micro_batches, *args)
         with counter, FlopCounterMode(display=False, custom_mapping=GROUPED_MM) as flop_counter:
-            result = original_step(self, micro_batches)
+            result = original_step(self, micro_batches, *args)
         flops.append(flop_counter.get_total_flops())
         return result
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, clean_env, free_port
+from conftest import REPO, clean_env, free_port, read_metrics
 from PIL import Image
 from transformers import Glm4vMoeVisionConfig
 
@@ -208,7 +208,9 @@ def test_load_image_refuses_what_it_cannot_decode(corpus_dir):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run_trainer(tmp_path: Path, data: Path, *extra: str) -> tuple[list[int], list[str], float]:
+def run_trainer(
+    tmp_path: Path, data: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[list[int], list[str], float]:
     """Both ranks as plain processes (RANK / WORLD_SIZE / MASTER_*: no launcher ends one for the other):
     (exit codes, outputs, seconds until both ended)."""
     command = [
@@ -231,6 +233,7 @@ def run_trainer(tmp_path: Path, data: Path, *extra: str) -> tuple[list[int], lis
             cwd=REPO,
             env={
                 **clean_env(),
+                **(env or {}),
                 "RANK": str(r),
                 "LOCAL_RANK": str(r),
                 "WORLD_SIZE": "2",
@@ -277,3 +280,18 @@ def test_trainer_skips_and_reports_the_count(tmp_path, run_data):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["skipped_records"] == len(CORPUS)
     assert f"{len(CORPUS)} bad record(s) skipped" in outputs[0]  # the end-of-run summary line
+
+
+def test_a_data_error_inside_a_step_stops_every_rank_after_that_step(tmp_path, corpus_dir):
+    """Rank 1's first fetch after step 2 fails (GLM45V_FAULT=1:2:data_error): step 3 fetches step 4's batches after
+    its backward, and the failure rides in step 3's last all-reduce (trainer.py NextStep). Both ranks record step 3,
+    then stop with a user error, rank 0 pointing at rank 1."""
+    data = write_jsonl(corpus_dir / "good.jsonl", [good_record() for _ in range(16)])
+    env = {"GLM45V_FAULT": "1:2:data_error"}
+    codes, outputs, seconds = run_trainer(tmp_path, data, "training.train_iters=4", env=env)
+    print(f"stop: exit codes {codes} after {seconds:.1f} s")
+    assert codes == [2, 2], outputs
+    assert not any("Traceback" in output for output in outputs), outputs
+    assert "Another data-parallel rank stopped on a data error" in outputs[0], outputs[0][-3000:]
+    assert "an injected data error on rank 1 after step 2" in outputs[1], outputs[1][-3000:]
+    assert [record["step"] for record in read_metrics(tmp_path / "run")] == [1, 2, 3]

@@ -28,7 +28,7 @@ from glm45v_fsdp.runtime.mesh import build_parallel_dims
 
 BASE = [
     "training.device=cpu",
-    "training.train_iters=1",
+    "training.train_iters=3",  # tests/comm_count_run.py counts the second step
     "training.progress_bar=false",
     "parallel.fsdp_plan.param_dtype=fp32",
     "data.synthetic_samples=32",

@@ -109,7 +109,7 @@ def run_overhead(steps: int, warmup: int, blocks: int, overrides: list[str], out
         per_block = max(1, steps // blocks)
         for _ in range(blocks):
             for _ in range(per_block):
-                ours_ms.append(trainer.step_once(micro_batches).ms_per_iter)
+                ours_ms.append(trainer.step_once(micro_batches)[0].ms_per_iter)
             for _ in range(per_block):
                 start = time.perf_counter()
                 bare.step(micro_batches)

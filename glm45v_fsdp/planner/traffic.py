@@ -24,9 +24,11 @@ rank keeps), P2P what a rank sends. Every figure is for A micro batches (gradien
                  sends them ring-1 times again and the fp32 dk, dv ring times.
   cp             per micro batch: the encoded image rows all-gathered (each rank's padded to the largest share) and
                  their gradient all-reduced; the loss summed once per step (8 bytes).
-  dp, grad norm  the step's two data-parallel sums of scalars (16 bytes each) and the gradient norm's partial sums
+  dp, grad norm  a step between the first and the last: one data-parallel sum of four float64 scalars (the step's
+                 loss and tokens, the next step's valid tokens and data-error flag; the first step of a process adds
+                 an all-reduce of its own valid tokens before its forward) and the gradient norm's partial sums
                  (4 bytes per sharded mesh dim; the sums of every reduction over the whole job in one all-reduce,
-                 which also carries the loss pair when the data-parallel ranks are the whole job).
+                 which also carries those four scalars when the data-parallel ranks are the whole job).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from glm45v_fsdp.runtime.mesh import ParallelDims
 
 FAMILIES = ("fsdp", "efsdp", "dp_replicate", "ep", "cp_ulysses", "cp_ring", "cp", "dp")
 INT64, FP32 = 8, 4
+# the trainer's data-parallel sums per step (trainer.py train_step): its loss and tokens, the next step's valid tokens
+# and data-error flag
+STEP_SCALARS = 4
 
 
 @dataclass(frozen=True)
@@ -245,15 +250,12 @@ def reduction_traffic(specs: list[ParamSpec], dims: ParallelDims) -> list[Collec
     if any(spec.expert for spec in specs):
         norm_keys.append([(family, size) for family, size in (("efsdp", dims.efsdp), ("ep", dims.ep)) if size > 1])
     whole_job = [key for key in norm_keys if len(key) == 1 and key[0][1] == dims.world_size]
-    loss_rides = bool(whole_job) and dims.dp == dims.world_size  # the loss and token count go with those sums
-    if dims.dp > 1:
-        pairs = 1 if loss_rides else 2
-        found.append(
-            Collective("dp", "all_reduce", "token counts, loss (float64 pairs)", pairs, pairs * 2 * INT64, dims.dp)
-        )
-    if whole_job:  # these partial sums travel together (local_shards.grad_norm), in float64 with the loss
+    loss_rides = bool(whole_job) and dims.dp == dims.world_size  # the step's scalars go with those sums
+    if dims.dp > 1 and not loss_rides:
+        found.append(Collective("dp", "all_reduce", "loss, token counts (float64)", 1, STEP_SCALARS * INT64, dims.dp))
+    if whole_job:  # these partial sums travel together (local_shards.grad_norm), in float64 with the step's scalars
         family = whole_job[0][0][0]
-        nbytes = (len(whole_job) + 2) * INT64 if loss_rides else len(whole_job) * FP32
+        nbytes = (len(whole_job) + STEP_SCALARS) * INT64 if loss_rides else len(whole_job) * FP32
         found.append(Collective(family, "all_reduce", "gradient norm's partial sums", 1, nbytes, dims.world_size))
     for key in norm_keys:
         if key not in whole_job:

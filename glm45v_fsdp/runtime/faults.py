@@ -5,6 +5,7 @@ KIND, after step STEP is recorded on rank RANK:
   - `sigkill`: os.kill(getpid(), SIGKILL) (an out-of-memory kill looks the same);
   - `sigterm`: SIGTERM then SIGUSR1 to itself (a preemption, and a second signal during the save);
   - `hang`: the rank blocks forever in its data loader's next fetch (a deadlocked loader; it stays alive);
+  - `data_error`: the rank's next fetch fails with a data error (a record that cannot be read);
   - `skip_collective`: the rank leaves out the next step's per-step all-gather of figures (a collective a peer never
     enters).
 Or, during step STEP:
@@ -26,7 +27,7 @@ from glm45v_fsdp.errors import UserError
 from glm45v_fsdp.log import get_logger
 
 ENV_FAULT = "GLM45V_FAULT"
-KINDS = ("exception", "sigkill", "sigterm", "sigkill_save", "nan", "hang", "skip_collective")
+KINDS = ("exception", "sigkill", "sigterm", "sigkill_save", "nan", "hang", "data_error", "skip_collective")
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ class Fault:
         return float("nan") if hit else 1.0
 
     def hits(self, kind: str, rank: int, step: int) -> bool:
-        """Whether the fault of `kind` applies to this rank after step `step` (the hooks of `hang` and
-        `skip_collective`, which act where the loader and the collective are)."""
+        """Whether the fault of `kind` applies to this rank after step `step` (the hooks of `hang`, `data_error`
+        and `skip_collective`, which act where the loader and the collective are)."""
         if self.kind != kind or self.rank not in (None, rank) or step != self.step:
             return False
         if self.marker is not None:
@@ -69,7 +70,7 @@ class Fault:
 
     def maybe_fire(self, rank: int, step: int, in_save: bool = False) -> None:
         """Called after each step's record and (in_save) inside each checkpoint save."""
-        if self.kind in ("nan", "hang", "skip_collective") or (self.kind == "sigkill_save") != in_save:
+        if self.kind in ("nan", "hang", "data_error", "skip_collective") or (self.kind == "sigkill_save") != in_save:
             return
         if self.rank not in (None, rank) or step != self.step:
             return
