@@ -506,6 +506,17 @@ def test_lora_bench_runs_both_configurations_alternating_and_counts_the_optimize
     assert versus["speed_ratio"] == pytest.approx(4.0) and versus["pass"] and versus["loss_mean_rel_err"] == 0.0
     assert versus["ddp_speed_ratio"] == pytest.approx(5.0) and versus["ms_per_step"]["ddp"] == pytest.approx(20.0)
     assert "DeepSpeed ms / torch DDP ms: 5.00" in (out / "lora.md").read_text()
+    assert not any("ds_compat.utils.numa" in commands[f"{side} lora 0"] for side in ("ds_compat", "deepspeed", "ddp"))
+
+    # --bind-cores: every side's ranks start under numactl, as DeepSpeed's launcher starts them
+    assert bench.main([*argv, "--ds-rounds", "2", "--ds-steps", "4", "--bind-cores"]) == 0
+    for side in ("ds_compat", "deepspeed", "ddp"):
+        command = commands[f"{side} lora 0"]
+        binder = ["--no-python", sys.executable, "-m", "ds_compat.utils.numa", "--", sys.executable, "-m"]
+        start = command.index("--no-python")
+        assert command[start : start + len(binder)] == binder, command
+        assert command[start + len(binder)] == "glm45v_fsdp.bench.deepspeed_api_worker"
+    assert "pinned to their share of the cores" in (out / "lora.md").read_text()
 
 
 def test_router_bench_compares_balancing_against_none_from_the_router_figures(tmp_path, monkeypatch):

@@ -96,7 +96,12 @@ def test_explain_prints_every_term_and_what_makes_a_layout_fit(capsys):
     report = json.loads(out)
     assert not report["fits"] and report["memory_gib"]["activations"] > report["usable_gib"]
     families = {c["family"] for c in report["collectives"]}
-    assert {"fsdp", "efsdp", "ep", "dp"} <= families
+    assert {"fsdp", "efsdp", "ep"} <= families
+    # dp = the whole job: the step's loss, tokens and the next step's valid tokens and data-error flag ride in the
+    # gradient norm's all-reduce (one float64 partial sum and the four scalars): no data-parallel all-reduce
+    assert "dp" not in families
+    norm = next(c for c in report["collectives"] if c["family"] == "fsdp" and c["kind"] == "all_reduce")
+    assert norm["bytes"] == (1 + 4) * 8 and norm["calls"] == 1
     assert all(c["ms"] >= 0 and c["bytes"] >= 0 for c in report["collectives"])
     assert report["step_ms"]["compute"] > 0 and report["ms_per_step"] > 0
     fixes = {fix["change"] for fix in report["remedies"]["fits_with"]}

@@ -98,7 +98,8 @@ def worker_command(args: argparse.Namespace, backend: str, zero: int, dtype: str
     arguments += [*schedule_arguments(args), *extra_arguments(args)]
     if backend in ("bare", "alternate"):  # one process
         return [sys.executable, "-m", "glm45v_fsdp.bench.deepspeed_api_worker", *arguments]
-    return torchrun_command(args.ranks, "glm45v_fsdp.bench.deepspeed_api_worker", arguments)
+    bind_cores = getattr(args, "bind_cores", False)  # bench lora --bind-cores
+    return torchrun_command(args.ranks, "glm45v_fsdp.bench.deepspeed_api_worker", arguments, bind_cores)
 
 
 def runner(args: argparse.Namespace, bench: str) -> Runner:

@@ -75,7 +75,9 @@ def door_vs_deepspeed(args: argparse.Namespace, runner: Runner) -> dict[str, Any
     """The worker script with PEFT's LoRA model on the real DeepSpeed and through the door, `--ds-rounds` rounds in
     alternating order (ABBA)."""
     extra = {"expert_parallel": {"enabled": True, "autoep_size": args.ranks}}
-    worker = argparse.Namespace(steps=args.ds_steps, micro=2, ranks=args.ranks, profile=False, ds_extra=extra)
+    worker = argparse.Namespace(
+        steps=args.ds_steps, micro=2, ranks=args.ranks, profile=False, ds_extra=extra, bind_cores=args.bind_cores
+    )
     results: dict[str, list[dict[str, Any]]] = {side: [] for side in DS_SIDES}
     for index in range(args.ds_rounds):
         for side in DS_SIDES if index % 2 == 0 else DS_SIDES[::-1]:
@@ -99,6 +101,7 @@ def door_vs_deepspeed(args: argparse.Namespace, runner: Runner) -> dict[str, Any
         "peak_mib": {side: max(r["peak_bytes_max"] for r in results[side]) / MIB for side in DS_SIDES},
         "loss_mean_rel_err": loss_error,
         "goal": f">= {DS_SPEED_GOAL}x DeepSpeed, loss error <= {DS_PARITY_LIMIT}",
+        "bind_cores": args.bind_cores,
         "pass": ratio >= DS_SPEED_GOAL and loss_error <= DS_PARITY_LIMIT,
     }
 
@@ -159,6 +162,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = md_report(title, columns, cells, [saving, *result["notes"]])
     versus = result.get("vs_deepspeed")
     if versus:
+        pinned = ["Every side's ranks pinned to their share of the cores (`--bind-cores`).", ""]
+        pinned = pinned if versus["bind_cores"] else []
         cells = [
             [DS_NAMES[side], f"{versus['ms_per_step'][side]:.1f}",
              " / ".join(f"{value:.1f}" for value in versus["ms_per_round"][side]), f"{versus['peak_mib'][side]:.1f}"]
@@ -168,6 +173,7 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             f"## LoRA on one DeepSpeed-API script: the door (EP {result['ranks']}) vs the real DeepSpeed (ZeRO 3)",
             "",
+            *pinned,
             *md_table(("side", "ms/step", "ms/step per round", "peak MiB per rank"), cells),
             "",
             f"- DeepSpeed ms / door ms: {versus['speed_ratio']:.2f} (per round "
@@ -194,6 +200,12 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--ds-rounds", type=int, default=4, help="rounds of door vs real DeepSpeed (0: skip)")
     parser.add_argument("--ds-steps", type=int, default=12, help="steps per door / DeepSpeed run")
+    parser.add_argument(
+        "--bind-cores",
+        action="store_true",
+        help="door vs DeepSpeed: every side's ranks pinned to their share of the cores (numactl), as DeepSpeed's "
+        "launcher pins them under --bind_cores_to_rank",
+    )
     add_run_options(parser, Path("output/bench/lora"), device="cpu", steps=6, warmup=2, repeats=2, **shape)
 
 

@@ -43,21 +43,23 @@ PARITY_LIMIT = 1e-5
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def torchrun_command(ranks: int, module: str, arguments: list[str]) -> list[str]:
-    """`python -m torch.distributed.run` on `ranks` local processes (free rendezvous port) running `-m module`."""
+def torchrun_command(ranks: int, module: str, arguments: list[str], bind_cores: bool = False) -> list[str]:
+    """`python -m torch.distributed.run` on `ranks` local processes (free rendezvous port) running `-m module`;
+    `bind_cores`: each rank pinned to its share of the cores by numactl, as DeepSpeed's launcher pins them under
+    `--bind_cores_to_rank` (ds_compat/utils/numa.py, which also sets OMP_NUM_THREADS to the rank's core count)."""
     from glm45v_fsdp.runtime.dist import free_port  # here: the commands' --help answers before torch is imported
 
-    return [
+    launch = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={ranks}",
         "--rdzv_backend=c10d",
         f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-        "-m",
-        module,
-        *arguments,
     ]
+    if bind_cores:
+        launch += ["--no-python", sys.executable, "-m", "ds_compat.utils.numa", "--", sys.executable]
+    return [*launch, "-m", module, *arguments]
 
 
 def train_command(ranks: int, overrides: list[str]) -> list[str]:
